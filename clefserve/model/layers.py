@@ -1,0 +1,195 @@
+"""The layers of the Qwen3.5 hybrid backbone. Parameter names follow the checkpoint's.
+
+Every layer works on the flat ``[N, hidden]`` rows of one forward step, which may hold the new tokens of
+several sequences side by side (``Batch``); token mixers treat each sequence on its own, everything else
+runs over all rows at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clefserve.model.cache import ForwardCache
+from clefserve.model.config import BackboneConfig
+from clefserve.model.ops import Ops
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Where each sequence's new tokens sit in the flat rows, and how many tokens it had before."""
+
+    seq_lens: tuple[int, ...]
+    past_lens: tuple[int, ...]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """``(seq, start_row, end_row)`` per sequence."""
+        out, start = [], 0
+        for i, n in enumerate(self.seq_lens):
+            out.append((i, start, start + n))
+            start += n
+        return out
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return torch.cat(
+            [torch.arange(p, p + n, device=device) for n, p in zip(self.seq_lens, self.past_lens, strict=True)]
+        )
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm (scales by 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Gated DeltaNet output norm: plain weight, SiLU gate."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.ops.gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj yields [query | gate] per head; q/k RMSNorm; partial RoPE."""
+
+    def __init__(self, config: BackboneConfig, layer: int, ops: Ops) -> None:
+        super().__init__()
+        self.layer, self.ops = layer, ops
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+
+    def forward(
+        self, x: torch.Tensor, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor], cache: ForwardCache
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        query, gate = self.q_proj(x).view(rows, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = self.q_norm(query)
+        key = self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim))
+        value = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        cos, sin = rope
+        query, key = self.ops.apply_rope(query, cos, sin), self.ops.apply_rope(key, cos, sin)
+        out = torch.empty_like(query)
+        for seq, start, end in batch.spans():
+            all_k, all_v = cache.attention_kv(self.layer, seq, key[start:end], value[start:end])
+            out[start:end] = self.ops.causal_attention(query[start:end], all_k, all_v, batch.past_lens[seq])
+        out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
+        return self.o_proj(out)
+
+
+class DepthwiseConv(nn.Module):
+    """Holds the depthwise causal conv weight ``[channels, 1, kernel]`` under the checkpoint's name."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention token mixer: causal conv over [q|k|v], then the gated delta rule per value head."""
+
+    def __init__(self, config: BackboneConfig, layer: int, ops: Ops) -> None:
+        super().__init__()
+        self.layer, self.ops = layer, ops
+        self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_width, self.value_width = config.linear_key_dim, config.linear_value_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, config.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_width, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        self.conv1d = DepthwiseConv(config.conv_dim, config.linear_conv_kernel_dim)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps, ops)
+        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: ForwardCache) -> torch.Tensor:
+        rows = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        # fp32: in fp16 exp(A_log) can overflow
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        weight = self.conv1d.weight[:, 0, :]
+        core = x.new_empty(rows, self.v_heads, self.v_dim)
+        for seq, start, end in batch.spans():
+            conv_state, recurrent = cache.linear_state(self.layer, seq)
+            if batch.past_lens[seq] == 0:
+                conv_state, recurrent = None, None
+            qkv, conv_state = self.ops.causal_conv1d(mixed[start:end], weight, conv_state)
+            n = end - start
+            q, k, v = torch.split(qkv, [self.key_width, self.key_width, self.value_width], dim=-1)
+            out, recurrent = self.ops.gated_delta_rule(
+                q.reshape(n, self.k_heads, self.k_dim),
+                k.reshape(n, self.k_heads, self.k_dim),
+                v.reshape(n, self.v_heads, self.v_dim),
+                g[start:end],
+                beta[start:end],
+                recurrent,
+            )
+            cache.store_linear_state(self.layer, seq, conv_state, recurrent)
+            core[start:end] = out
+        normed = self.norm(core, z.view(rows, self.v_heads, self.v_dim))
+        return self.out_proj(normed.reshape(rows, self.value_width))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: BackboneConfig, layer: int, ops: Ops) -> None:
+        super().__init__()
+        self.kind = config.layer_types[layer]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer, ops)
+        else:
+            self.self_attn = GatedAttention(config, layer, ops)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(
+        self, x: torch.Tensor, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor], cache: ForwardCache
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h = self.linear_attn(h, batch, cache)
+        else:
+            h = self.self_attn(h, batch, rope, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,25 @@
+"""The op table the backbone calls through, so faster kernels can replace the torch references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from clefserve.model.ops import attention, conv, delta_rule, norms, rope
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable = norms.rms_norm_zero_centred
+    gated_rms_norm: Callable = norms.gated_rms_norm
+    rope_tables: Callable = rope.rope_tables
+    apply_rope: Callable = rope.apply_rope
+    causal_conv1d: Callable = conv.causal_conv1d
+    gated_delta_rule: Callable = delta_rule.gated_delta_rule
+    causal_attention: Callable = attention.causal_attention
+
+
+def reference_ops() -> Ops:
+    """Plain torch implementations; run on any device and define what "correct" means for the others."""
+    return Ops(name="torch-reference")

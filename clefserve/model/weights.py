@@ -1,0 +1,125 @@
+"""Loading backbone weights from a release folder's safetensors (never pickles).
+
+Accepts ``model.safetensors`` or a sharded ``model.safetensors.index.json``; text weights under
+``model.language_model.`` (ConditionalGeneration) or ``model.`` (CausalLM); vision and MTP tensors are
+skipped. Any missing, unexpected or mis-shaped tensor is one :class:`ReleaseError` that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from clefserve.errors import ReleaseError
+from clefserve.model.backbone import Backbone
+from clefserve.model.config import BackboneConfig
+from clefserve.model.ops import Ops
+
+log = logging.getLogger(__name__)
+
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.", "model.language_model.mtp.")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Kept in fp32 whatever the weight dtype: cheap, and they feed fp32 math (norm scales, decay rates).
+FP32_SUFFIXES = ("norm.weight", "A_log", "dt_bias")
+PROGRESS_BYTES = 256 << 20
+
+
+def checkpoint_name(config: BackboneConfig, param: str) -> str:
+    return param if param.startswith("lm_head.") else config.weight_prefix + param
+
+
+def expected_tensors(config: BackboneConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Checkpoint name -> (our parameter name, shape), from the module definition itself."""
+    with torch.device("meta"):
+        skeleton = Backbone(config)
+    out = {}
+    for name, param in skeleton.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        out[checkpoint_name(config, name)] = (name, tuple(param.shape))
+    return out
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ReleaseError(f"{index}: not a safetensors index with a weight_map ({exc})") from exc
+        files = sorted({folder / name for name in weight_map.values()})
+        for file in files:
+            if file.suffix != ".safetensors":
+                raise ReleaseError(f"{index} names {file.name}: only safetensors weight files are loaded")
+            if not file.is_file():
+                raise ReleaseError(f"{index} names {file.name}, which is missing from {folder}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise ReleaseError(
+            f"{folder} holds {', '.join(pickled)}: only safetensors weights are loaded "
+            "(pickled checkpoints can run code); convert them to model.safetensors"
+        )
+    raise ReleaseError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    total = sum(f.stat().st_size for f in files)
+    done, started = 0, time.monotonic()
+    for i, file in enumerate(files, 1):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types
+            raise ReleaseError(f"{file.name}: not a readable safetensors file ({exc})") from exc
+        with handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if not key.startswith(SKIPPED_PREFIXES):
+                    yield key, handle.get_tensor(key)
+        done += file.stat().st_size
+        if total >= PROGRESS_BYTES:
+            log.info(
+                "loading weights: shard %d/%d, %.1f/%.1f GB, %.0f s",
+                i, len(files), done / 1e9, total / 1e9, time.monotonic() - started,
+            )
+
+
+def load_backbone(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    ops: Ops | None = None,
+) -> Backbone:
+    folder = Path(folder)
+    config = BackboneConfig.from_folder(folder)
+    expected = expected_tensors(config)
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in _tensors(weight_files(folder)):
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding matrix is the output matrix
+        if key not in expected:
+            raise ReleaseError(f"unexpected tensor {key!r} {tuple(tensor.shape)} in the weights of {folder}")
+        name, shape = expected[key]
+        if tuple(tensor.shape) != shape:
+            raise ReleaseError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+        state[name] = tensor.to(device=device, dtype=target)
+    missing = [key for key, (name, _) in expected.items() if name not in state]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ReleaseError(f"missing tensor {missing[0]!r}{more} in the weights of {folder}")
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    with torch.device("meta"):
+        model = Backbone(config, ops)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()

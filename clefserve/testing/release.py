@@ -1,0 +1,182 @@
+"""Random releases in the Clef layout (``config.json``, safetensors, ``tokenizer.json``, joint head).
+
+The weights are scaled (not the tiny std of training init) so that every layer visibly changes the hidden
+state and every head path contributes to the logits: a wrong layer, band or span then shows up in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from clefserve.model.backbone import Backbone
+from clefserve.model.config import BackboneConfig
+from clefserve.model.weights import checkpoint_name
+from clefserve.testing.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+
+
+@dataclass
+class ReleaseSpec:
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    layer_types: list[str] | None = None
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    rope_theta: float = 1_000_000.0
+    partial_rotary_factor: float = 0.25
+    tokenizer_vocab: int = 640
+    tie_word_embeddings: bool = False
+    conditional_generation: bool = True
+    head: dict | None = field(
+        default_factory=lambda: {
+            "hidden_size": 64, "width": 32, "routing_layers": 2, "layers": 2, "heads": 4, "feedforward": 64,
+        }
+    )
+
+    def text_config(self, vocab_size: int, token_ids: dict[str, int]) -> dict:
+        text = {
+            "model_type": "qwen3_5_text",
+            "vocab_size": vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "max_position_embeddings": 65536,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "eos_token_id": token_ids["<|im_end|>"],
+            "pad_token_id": token_ids["<|endoftext|>"],
+            "attention_bias": False,
+        }
+        if self.layer_types is not None:
+            text["layer_types"] = list(self.layer_types)
+        else:
+            text["full_attention_interval"] = 4
+        return text
+
+
+def _random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.02, 0.5, generator=gen).log()
+    if name.endswith("dt_bias"):
+        return normal(0.5)
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + normal(0.2)
+    if name.endswith("norm.weight"):  # zero-centred RMSNorm weights
+        return normal(0.2)
+    if name.endswith("conv1d.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    if name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    fan_in = shape[-1]
+    return normal(1.0 / math.sqrt(fan_in))
+
+
+def backbone_tensors(config: BackboneConfig, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        skeleton = Backbone(config)
+    out = {}
+    for name, param in skeleton.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        out[checkpoint_name(config, name)] = _random_weight(name, tuple(param.shape), gen)
+    return out
+
+
+def head_tensors(head_config: dict, seed: int) -> dict[str, torch.Tensor]:
+    from clefserve.formats.clef.head import random_head_tensors
+
+    return random_head_tensors(head_config, seed)
+
+
+def build_release(
+    folder: str | Path,
+    spec: ReleaseSpec | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    shards: int = 1,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write a random release into ``folder`` and return it."""
+    spec = spec or ReleaseSpec()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(spec.tokenizer_vocab, seed)
+    save_tokenizer(tokenizer, folder)
+    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    vocab = 64 * math.ceil(tokenizer.get_vocab_size() / 64)
+    text = spec.text_config(vocab, token_ids)
+    if spec.conditional_generation:
+        raw = {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": text,
+            "vision_config": {"depth": 1, "hidden_size": 32, "out_hidden_size": spec.hidden_size},
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "image_token_id": token_ids["<|image_pad|>"],
+            "video_token_id": token_ids["<|video_pad|>"],
+            "vision_start_token_id": token_ids["<|vision_start|>"],
+            "vision_end_token_id": token_ids["<|vision_end|>"],
+        }
+    else:
+        raw = {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    config = BackboneConfig.from_dict(raw)
+    tensors = backbone_tensors(config, seed)
+    tensors.update(extra_tensors or {})
+    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    _save_weights(folder, tensors, shards)
+    if spec.head is not None:
+        head = dict(spec.head, hidden_size=spec.hidden_size)
+        head_weights = {k: v.to(dtype).contiguous() for k, v in head_tensors(head, seed + 1).items()}
+        save_file(head_weights, str(folder / "joint_head.safetensors"))
+        (folder / "joint_head_config.json").write_text(json.dumps(head, indent=2))
+    (folder / "RANDOM_TEST_RELEASE.json").write_text(json.dumps({"seed": seed, "spec": asdict(spec)}, indent=2))
+    return folder
+
+
+def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    if shards <= 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(folder / file))
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
