@@ -7,7 +7,7 @@ from torch import nn
 
 from clefserve.model.cache import DenseCache, ForwardCache, SequenceState
 from clefserve.model.config import BackboneConfig
-from clefserve.model.layers import Batch, DecoderLayer, RMSNorm
+from clefserve.model.layers import Batch, DecoderLayer, Linear, RMSNorm
 from clefserve.model.ops import Ops, reference_ops
 
 
@@ -17,9 +17,11 @@ class Backbone(nn.Module):
         self.config = config
         self.ops = ops or reference_ops()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.ops) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.ops) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -36,7 +38,7 @@ class Backbone(nn.Module):
                 module.ops = ops
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, cache: ForwardCache) -> torch.Tensor:
-        """Run the new tokens ``input_ids [N]`` of ``batch``'s sequences; returns final-norm hidden rows ``[N, H]``.
+        """Run the new tokens ``input_ids [N]`` of the batch's sequences; return final-norm hidden rows.
 
         The caller's ``cache`` supplies and receives each sequence's state (see ``clefserve.model.cache``).
         """
@@ -51,7 +53,9 @@ class Backbone(nn.Module):
         return self.lm_head(hidden)
 
     @torch.inference_mode()
-    def run_sequence(self, input_ids: torch.Tensor, state: SequenceState | None = None) -> tuple[torch.Tensor, SequenceState]:
+    def run_sequence(
+        self, input_ids: torch.Tensor, state: SequenceState | None = None
+    ) -> tuple[torch.Tensor, SequenceState]:
         """Continue one sequence from ``state`` (a fresh one when None) by ``input_ids [T]``.
 
         Returns the hidden rows of the new tokens and the sequence's state after them (updated in place).

@@ -23,10 +23,12 @@ class ForwardCache(Protocol):
         ...
 
     def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Conv state ``[C, kernel-1]`` and fp32 recurrent state ``[HV, K, V]``; None at a sequence start."""
+        """Conv state ``[kernel-1, C]`` and fp32 recurrent state ``[HV, K, V]``; None at a sequence start."""
         ...
 
-    def store_linear_state(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None: ...
+    def store_linear_state(
+        self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None: ...
 
 
 @dataclass

@@ -90,11 +90,15 @@ class BackboneConfig:
                     f"unsupported architecture {architectures or model_type!r}; "
                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (model_type {SUPPORTED_MODEL_TYPES})"
                 )
-            architecture = "Qwen3_5ForConditionalGeneration" if model_type == "qwen3_5" else "Qwen3_5ForCausalLM"
+            architecture = (
+                "Qwen3_5ForConditionalGeneration" if model_type == "qwen3_5" else "Qwen3_5ForCausalLM"
+            )
         nested = "text_config" in raw
         text = dict(raw["text_config"]) if nested else dict(raw)
         if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-            raise ReleaseError(f"unsupported text model_type {text.get('model_type')!r}; expected 'qwen3_5_text'")
+            raise ReleaseError(
+                f"unsupported text model_type {text.get('model_type')!r}; expected 'qwen3_5_text'"
+            )
 
         def get(key: str, default: Any = None) -> Any:
             value = text.get(key, default)
@@ -153,6 +157,8 @@ class BackboneConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ReleaseError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ReleaseError(f"rotary dims {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+            raise ReleaseError(
+                f"rotary dims {self.rotary_dim} must be even and within head_dim {self.head_dim}"
+            )
         if self.linear_conv_kernel_dim < 1:
             raise ReleaseError("linear_conv_kernel_dim must be at least 1")

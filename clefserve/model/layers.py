@@ -35,8 +35,32 @@ class Batch:
 
     def positions(self, device: torch.device) -> torch.Tensor:
         return torch.cat(
-            [torch.arange(p, p + n, device=device) for n, p in zip(self.seq_lens, self.past_lens, strict=True)]
+            [
+                torch.arange(p, p + n, device=device)
+                for n, p in zip(self.seq_lens, self.past_lens, strict=True)
+            ]
         )
+
+
+class Linear(nn.Linear):
+    """A bias-free projection whose rows do not depend on how many rows share the call.
+
+    CPU GEMM libraries switch kernels for very small row counts, which changes the rounding of a row
+    depending on what it was batched with. Padding such calls to ``MIN_ROWS`` rows keeps every row's
+    result identical across chunkings and batch compositions (the engine's batch invariance rests on it).
+    """
+
+    MIN_ROWS = 16
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.dim() == 2 and rows < self.MIN_ROWS and x.device.type == "cpu":
+            padded = torch.cat((x, x.new_zeros(self.MIN_ROWS - rows, x.shape[1])))
+            return F.linear(padded, self.weight)[:rows]
+        return F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -68,16 +92,16 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GatedAttention(nn.Module):
-    """Full attention with an output gate: q_proj yields [query | gate] per head; q/k RMSNorm; partial RoPE."""
+    """Full attention with an output gate (q_proj gives [query | gate] per head), q/k norms, partial RoPE."""
 
     def __init__(self, config: BackboneConfig, layer: int, ops: Ops) -> None:
         super().__init__()
@@ -88,10 +112,10 @@ class GatedAttention(nn.Module):
             config.head_dim,
         )
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=False)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.heads * self.head_dim * 2)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
 
@@ -131,15 +155,15 @@ class GatedDeltaNet(nn.Module):
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_width, self.value_width = config.linear_key_dim, config.linear_value_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = nn.Linear(hidden, config.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_width, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, config.conv_dim)
+        self.in_proj_z = Linear(hidden, self.value_width)
+        self.in_proj_b = Linear(hidden, self.v_heads)
+        self.in_proj_a = Linear(hidden, self.v_heads)
         self.conv1d = DepthwiseConv(config.conv_dim, config.linear_conv_kernel_dim)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps, ops)
-        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+        self.out_proj = Linear(self.value_width, hidden)
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: ForwardCache) -> torch.Tensor:
         rows = x.shape[0]
@@ -164,6 +188,7 @@ class GatedDeltaNet(nn.Module):
                 g[start:end],
                 beta[start:end],
                 recurrent,
+                batch.past_lens[seq],
             )
             cache.store_linear_state(self.layer, seq, conv_state, recurrent)
             core[start:end] = out

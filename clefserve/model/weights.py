@@ -88,7 +88,11 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         if total >= PROGRESS_BYTES:
             log.info(
                 "loading weights: shard %d/%d, %.1f/%.1f GB, %.0f s",
-                i, len(files), done / 1e9, total / 1e9, time.monotonic() - started,
+                i,
+                len(files),
+                done / 1e9,
+                total / 1e9,
+                time.monotonic() - started,
             )
 
 

@@ -41,7 +41,12 @@ class ReleaseSpec:
     conditional_generation: bool = True
     head: dict | None = field(
         default_factory=lambda: {
-            "hidden_size": 64, "width": 32, "routing_layers": 2, "layers": 2, "heads": 4, "feedforward": 64,
+            "hidden_size": 64,
+            "width": 32,
+            "routing_layers": 2,
+            "layers": 2,
+            "heads": 4,
+            "feedforward": 64,
         }
     )
 
@@ -98,8 +103,9 @@ def _random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
         return normal(1.0 / math.sqrt(shape[-1]))
     if name.endswith("embed_tokens.weight"):
         return normal(1.0)
-    fan_in = shape[-1]
-    return normal(1.0 / math.sqrt(fan_in))
+    # Projections: 0.6/sqrt(fan_in) keeps each layer's change of the residual stream at 10-40% while the
+    # network stays well conditioned enough for fp32 equality checks at the 1e-5 level.
+    return normal(0.6 / math.sqrt(shape[-1]))
 
 
 def backbone_tensors(config: BackboneConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -162,7 +168,9 @@ def build_release(
         head_weights = {k: v.to(dtype).contiguous() for k, v in head_tensors(head, seed + 1).items()}
         save_file(head_weights, str(folder / "joint_head.safetensors"))
         (folder / "joint_head_config.json").write_text(json.dumps(head, indent=2))
-    (folder / "RANDOM_TEST_RELEASE.json").write_text(json.dumps({"seed": seed, "spec": asdict(spec)}, indent=2))
+    (folder / "RANDOM_TEST_RELEASE.json").write_text(
+        json.dumps({"seed": seed, "spec": asdict(spec)}, indent=2)
+    )
     return folder
 
 
@@ -177,6 +185,8 @@ def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n] for n in part}, str(folder / file))
         weight_map.update(dict.fromkeys(part, file))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": weight_map,
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """``q [T, Hq, D]`` at positions ``past .. past+T-1``; ``k, v [past+T, Hkv, D]``. Returns ``[T, Hq, D]``."""
+    """``q [T, Hq, D]`` at positions past .. past+T-1; ``k, v [past+T, Hkv, D]``; returns ``[T, Hq, D]``."""
     steps, total = q.shape[0], k.shape[0]
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = q.shape[1] != k.shape[1]

@@ -1,7 +1,10 @@
 """Depthwise causal conv with carried state, SiLU activated (torch reference).
 
-Layout is channel-last: ``x [T, C]``, ``weight [C, K]``, ``state [C, K-1]`` holding the last K-1 inputs
+Layout is channel-last: ``x [T, C]``, ``weight [C, K]``, ``state [K-1, C]`` holding the last K-1 inputs
 before ``x`` (zeros at the start of a sequence).
+
+Written as K shifted multiply-adds rather than ``F.conv1d``: the same arithmetic for every position
+whatever the length of the call, so a sequence run in pieces gets bit-identical conv outputs.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import torch.nn.functional as F
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(silu(conv(x)) [T, C], new_state [C, K-1])``."""
-    channels, kernel = weight.shape
+    """Returns ``(silu(conv(x)) [T, C], new_state [K-1, C])``."""
+    kernel = weight.shape[1]
     steps = x.shape[0]
+    history = kernel - 1
     if state is None:
-        state = x.new_zeros(channels, kernel - 1)
-    window = torch.cat((state.to(x.dtype), x.t()), dim=1)  # [C, K-1+T]
-    out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1).to(x.dtype), groups=channels)[0]  # [C, T]
-    new_state = window[:, window.shape[1] - (kernel - 1) :] if kernel > 1 else window[:, :0]
-    return F.silu(out).t()[:steps], new_state.contiguous()
+        state = x.new_zeros(history, x.shape[1])
+    window = torch.cat((state.to(x.dtype), x))  # [K-1+T, C]
+    w = weight.to(x.dtype)
+    out = window[0:steps] * w[:, 0]
+    for tap in range(1, kernel):
+        out = out + window[tap : tap + steps] * w[:, tap]
+    return F.silu(out), window[window.shape[0] - history :].clone()

@@ -20,9 +20,19 @@ import torch
 CHUNK = 64
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp64 for fp32 models on the CPU, else fp32. The stored state is fp32 either way.
+
+    The gated output norm divides by the RMS of the delta-rule output, which is often small, so rounding
+    inside the recurrence is amplified; fp64 keeps an fp32 model's answers independent of how a sequence
+    was split into chunks or batched (to ~1e-6) for about 20% more delta-rule time on the CPU.
+    """
+    return torch.float64 if x.dtype == torch.float32 and x.device.type == "cpu" else torch.float32
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
     heads_v = v.shape[1]
-    q, k = q.float(), k.float()
+    q, k = q.to(acc), k.to(acc)
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     repeat = heads_v // q.shape[1]
@@ -31,13 +41,15 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
         k = k.repeat_interleave(repeat, dim=1)
     q = q * q.shape[-1] ** -0.5
     # head-major [HV, T, d]
-    return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1)
+    return q.transpose(0, 1), k.transpose(0, 1), v.to(acc).transpose(0, 1)
 
 
-def _initial_state(state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _initial_state(
+    state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor, acc: torch.dtype
+) -> torch.Tensor:
     if state is None:
-        return q.new_zeros(v.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float32)
-    return state.float()
+        return q.new_zeros(v.shape[1], q.shape[-1], v.shape[-1], dtype=acc)
+    return state.to(acc)
 
 
 def recurrent_gated_delta_rule(
@@ -50,10 +62,11 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token form; cheapest for a handful of tokens (decode steps)."""
     out_dtype = v.dtype
-    s = _initial_state(state, q, v).clone()
-    qh, kh, vh = _prepare(q, k, v)
-    decay = g.float().t().exp()  # [HV, T]
-    beta = beta.float().t()
+    acc = accumulation_dtype(v)
+    s = _initial_state(state, q, v, acc).clone()
+    qh, kh, vh = _prepare(q, k, v, acc)
+    decay = g.to(acc).t().exp()  # [HV, T]
+    beta = beta.to(acc).t()
     out = torch.empty_like(vh)
     for t in range(qh.shape[1]):
         s.mul_(decay[:, t, None, None])
@@ -62,7 +75,7 @@ def recurrent_gated_delta_rule(
         delta = (vh[:, t] - memory) * beta[:, t, None]
         s.add_(k_t[:, :, None] * delta[:, None, :])
         out[:, t] = torch.einsum("hkv,hk->hv", s, qh[:, t])
-    return out.transpose(0, 1).to(out_dtype), s
+    return out.transpose(0, 1).to(out_dtype), s.float()
 
 
 def chunk_gated_delta_rule(
@@ -72,19 +85,28 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None,
+    past: int = 0,
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked (UT-transform) form: the intra-chunk work is batched matmuls, only chunks are scanned."""
+    """Chunked (UT-transform) form: the intra-chunk work is batched matmuls, only chunks are scanned.
+
+    Chunks are aligned to absolute positions (multiples of ``chunk`` counted from the sequence start, with
+    ``past`` tokens already consumed), so a sequence run in pieces groups its arithmetic like a one-piece
+    run: only the chunk that a piece boundary cuts is computed differently. Zero rows pad both ends; with
+    k = 0 and beta = 0 they neither read nor change the state.
+    """
     out_dtype = v.dtype
     steps = q.shape[0]
-    s = _initial_state(state, q, v)
-    qh, kh, vh = _prepare(q, k, v)
-    g = g.float().t()  # [HV, T]
-    beta = beta.float().t()
-    pad = (-steps) % chunk
-    if pad:
-        qh, kh, vh = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (qh, kh, vh))
-        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    acc = accumulation_dtype(v)
+    s = _initial_state(state, q, v, acc)
+    qh, kh, vh = _prepare(q, k, v, acc)
+    g = g.to(acc).t()  # [HV, T]
+    beta = beta.to(acc).t()
+    front = past % chunk
+    back = (-(front + steps)) % chunk
+    if front or back:
+        qh, kh, vh = (torch.nn.functional.pad(x, (0, 0, front, back)) for x in (qh, kh, vh))
+        g, beta = (torch.nn.functional.pad(x, (front, back)) for x in (g, beta))
     heads = qh.shape[0]
     n = qh.shape[1] // chunk
     qc, kc, vc = (x.reshape(heads, n, chunk, -1) for x in (qh, kh, vh))
@@ -111,8 +133,8 @@ def chunk_gated_delta_rule(
         v_new = values[:, i] - key_decay[:, i] @ s
         out[:, i] = q_decayed[:, i] @ s + intra[:, i] @ v_new
         s = s * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    out = out.reshape(heads, n * chunk, -1)[:, :steps]
-    return out.transpose(0, 1).to(out_dtype), s
+    out = out.reshape(heads, n * chunk, -1)[:, front : front + steps]
+    return out.transpose(0, 1).to(out_dtype), s.float()
 
 
 def gated_delta_rule(
@@ -122,8 +144,9 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None,
+    past: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Picks the recurrent form for a few tokens and the chunked form for many."""
     if q.shape[0] <= 4:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    return chunk_gated_delta_rule(q, k, v, g, beta, state)
+    return chunk_gated_delta_rule(q, k, v, g, beta, state, past)

@@ -1,0 +1,175 @@
+"""EngineConfig: one dataclass for every command-line flag, with the flag spellings it accepts.
+
+The short spellings are candle-vllm's, so the operators' Deployment args work unchanged:
+``--w DIR --d 0 --dtype f16 --p 8080 --max-num-seqs 4 --kv-fraction 0.30 --prefill-chunk-size 1024``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    weights: str | None = None
+    device: str = "cpu"
+    dtype: str = "f32"
+    host: str = "0.0.0.0"
+    port: int = 8080
+    served_model_name: str | None = None
+    max_num_seqs: int = 8
+    kv_fraction: float = 0.30
+    kv_cache_mb: int | None = None
+    prefill_chunk_size: int = 1024
+    block_size: int = 16
+    max_queue: int = 256
+    max_length: int = 16384
+    prefix_cache: bool = True
+    prefix_cache_mb: int = 512
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    log_level: str = "info"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        """``--d cpu`` or a GPU index (``--d 0``)."""
+        if self.device == "cpu":
+            return torch.device("cpu")
+        return torch.device(f"cuda:{int(self.device)}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
+        if values.get("api_key") is None:
+            values["api_key"] = os.environ.get("CLEF_API_KEY") or None
+        return cls(**values)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--w",
+        "--weights",
+        dest="weights",
+        metavar="DIR",
+        help="release folder: config.json, safetensors, tokenizer.json, joint_head.* "
+        "(default: the embedded demo model)",
+    )
+    model.add_argument(
+        "--d",
+        "--device",
+        dest="device",
+        default=d.device,
+        metavar="DEV",
+        help="'cpu' or a GPU index such as 0 (default: %(default)s)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=d.dtype,
+        help="weight and activation dtype; recurrent state stays fp32 (default: %(default)s)",
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=d.served_model_name,
+        metavar="NAME",
+        help="name listed by /v1/models (default: the folder name)",
+    )
+    model.add_argument(
+        "--max-length",
+        type=int,
+        default=d.max_length,
+        metavar="TOKENS",
+        help="longest record; the state is cut to fit, the schema never (default: %(default)s)",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--h", "--host", dest="host", default=d.host, help="bind address (default: %(default)s)"
+    )
+    server.add_argument(
+        "--p", "--port", dest="port", type=int, default=d.port, help="port (default: %(default)s)"
+    )
+    server.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (or set CLEF_API_KEY); default: no auth",
+    )
+    server.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        metavar="N",
+        help="sequences running at once; each holds one GDN state slot (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=d.kv_fraction,
+        metavar="F",
+        help="share of the memory left after loading the weights that the paged KV pool takes "
+        "(GPU: free device memory; CPU: available RAM) (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=d.kv_cache_mb,
+        metavar="MB",
+        help="explicit KV pool size in MiB; overrides --kv-fraction",
+    )
+    engine.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=d.prefill_chunk_size,
+        metavar="TOKENS",
+        help="token budget of one engine step, shared by the running sequences; "
+        "longer records run over several steps (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        metavar="TOKENS",
+        help="tokens per KV block (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        metavar="N",
+        help="requests waiting beyond this get 429 with Retry-After (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn the prefix cache off (on by default)",
+    )
+    engine.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=d.prefix_cache_mb,
+        metavar="MB",
+        help="byte budget of the prefix cache (default: %(default)s)",
+    )
