@@ -190,3 +190,23 @@ def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
         "weight_map": weight_map,
     }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: bool = True) -> ReleaseSpec:
+    """Clef-flash's proportions at a small width: 3 GDN : 1 attention, GDN heads of 128 with twice as many
+    value heads as key heads, attention heads of 256 with 4 query heads per KV head, FFN 3x hidden."""
+    units = max(1, hidden_size // 256)
+    return ReleaseSpec(
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        linear_num_key_heads=units,
+        linear_num_value_heads=2 * units,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_attention_heads=units,
+        num_key_value_heads=max(1, units // 4),
+        head_dim=256,
+        head={"hidden_size": hidden_size, "width": 128, "routing_layers": 2, "layers": 4, "heads": 4,
+              "feedforward": 512} if head else None,
+    )

@@ -7,7 +7,7 @@ Per value head, with recurrent state ``S [K, V]`` (fp32) and decay ``g <= 0`` in
     o_t = S^T q_t
 
 q and k are L2-normalised (eps 1e-6) and q is scaled by 1/sqrt(K) inside. When there are more value heads
-than key heads, value head ``j`` reads key head ``j // (HV / H)``.
+than key heads, value head ``j`` reads key head ``j // (HV / H)``. All arithmetic is fp32.
 
 Shapes: ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]``, ``state [HV, K, V]`` or None.
 Both forms return ``(o [T, HV, V] in v's dtype, new_state [HV, K, V] fp32)``.
@@ -16,23 +16,15 @@ Both forms return ``(o [T, HV, V] in v's dtype, new_state [HV, K, V] fp32)``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 CHUNK = 64
+BLOCK = 16  # diagonal block size of the triangular inverse
 
 
-def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp64 for fp32 models on the CPU, else fp32. The stored state is fp32 either way.
-
-    The gated output norm divides by the RMS of the delta-rule output, which is often small, so rounding
-    inside the recurrence is amplified; fp64 keeps an fp32 model's answers independent of how a sequence
-    was split into chunks or batched (to ~1e-6) for about 20% more delta-rule time on the CPU.
-    """
-    return torch.float64 if x.dtype == torch.float32 and x.device.type == "cpu" else torch.float32
-
-
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     heads_v = v.shape[1]
-    q, k = q.to(acc), k.to(acc)
+    q, k = q.float(), k.float()
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     repeat = heads_v // q.shape[1]
@@ -41,15 +33,13 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, acc: torch.dtype
         k = k.repeat_interleave(repeat, dim=1)
     q = q * q.shape[-1] ** -0.5
     # head-major [HV, T, d]
-    return q.transpose(0, 1), k.transpose(0, 1), v.to(acc).transpose(0, 1)
+    return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1)
 
 
-def _initial_state(
-    state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor, acc: torch.dtype
-) -> torch.Tensor:
+def _initial_state(state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if state is None:
-        return q.new_zeros(v.shape[1], q.shape[-1], v.shape[-1], dtype=acc)
-    return state.to(acc)
+        return q.new_zeros(v.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float32)
+    return state.float()
 
 
 def recurrent_gated_delta_rule(
@@ -62,11 +52,10 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token form; cheapest for a handful of tokens (decode steps)."""
     out_dtype = v.dtype
-    acc = accumulation_dtype(v)
-    s = _initial_state(state, q, v, acc).clone()
-    qh, kh, vh = _prepare(q, k, v, acc)
-    decay = g.to(acc).t().exp()  # [HV, T]
-    beta = beta.to(acc).t()
+    s = _initial_state(state, q, v).clone()
+    qh, kh, vh = _prepare(q, k, v)
+    decay = g.float().t().exp()  # [HV, T]
+    beta = beta.float().t()
     out = torch.empty_like(vh)
     for t in range(qh.shape[1]):
         s.mul_(decay[:, t, None, None])
@@ -75,7 +64,46 @@ def recurrent_gated_delta_rule(
         delta = (vh[:, t] - memory) * beta[:, t, None]
         s.add_(k_t[:, :, None] * delta[:, None, :])
         out[:, t] = torch.einsum("hkv,hk->hv", s, qh[:, t])
-    return out.transpose(0, 1).to(out_dtype), s.float()
+    return out.transpose(0, 1).to(out_dtype), s
+
+
+def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
+    """``(I + strict)^-1`` for strictly lower triangular ``strict [..., C, C]`` (C a multiple of BLOCK).
+
+    Diagonal BLOCK x BLOCK blocks are inverted with the exact finite Neumann product
+    ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` (L^16 = 0), then merged pairwise with
+    ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]``. Batched matmuls only: the batched
+    LAPACK triangular solve is an order of magnitude slower on the CPU.
+    """
+    size = strict.shape[-1]
+    batch = strict.shape[:-2]
+    eye = torch.eye(BLOCK, dtype=strict.dtype, device=strict.device)
+    blocks = size // BLOCK
+    lower = torch.stack(
+        [strict[..., i * BLOCK : (i + 1) * BLOCK, i * BLOCK : (i + 1) * BLOCK] for i in range(blocks)], dim=-3
+    )
+    inverse = eye - lower
+    power = lower @ lower
+    for _ in range(3):  # BLOCK = 16 = 2^4
+        inverse = inverse + inverse @ power
+        power = power @ power
+    width = BLOCK
+    while width < size:
+        pairs = inverse.shape[-3] // 2
+        first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        below = torch.stack(
+            [
+                strict[..., (2 * j + 1) * width : (2 * j + 2) * width, 2 * j * width : (2 * j + 1) * width]
+                for j in range(pairs)
+            ],
+            dim=-3,
+        )
+        corner = -(second @ below @ first)
+        top = torch.cat((first, torch.zeros_like(first)), dim=-1)
+        bottom = torch.cat((corner, second), dim=-1)
+        inverse = torch.cat((top, bottom), dim=-2)
+        width *= 2
+    return inverse.reshape(*batch, size, size)
 
 
 def chunk_gated_delta_rule(
@@ -97,16 +125,15 @@ def chunk_gated_delta_rule(
     """
     out_dtype = v.dtype
     steps = q.shape[0]
-    acc = accumulation_dtype(v)
-    s = _initial_state(state, q, v, acc)
-    qh, kh, vh = _prepare(q, k, v, acc)
-    g = g.to(acc).t()  # [HV, T]
-    beta = beta.to(acc).t()
+    s = _initial_state(state, q, v)
+    qh, kh, vh = _prepare(q, k, v)
+    g = g.float().t()  # [HV, T]
+    beta = beta.float().t()
     front = past % chunk
     back = (-(front + steps)) % chunk
     if front or back:
-        qh, kh, vh = (torch.nn.functional.pad(x, (0, 0, front, back)) for x in (qh, kh, vh))
-        g, beta = (torch.nn.functional.pad(x, (front, back)) for x in (g, beta))
+        qh, kh, vh = (F.pad(x, (0, 0, front, back)) for x in (qh, kh, vh))
+        g, beta = (F.pad(x, (front, back)) for x in (g, beta))
     heads = qh.shape[0]
     n = qh.shape[1] // chunk
     qc, kc, vc = (x.reshape(heads, n, chunk, -1) for x in (qh, kh, vh))
@@ -116,25 +143,24 @@ def chunk_gated_delta_rule(
     pair_decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
 
     k_beta = kc * bc
-    system = (k_beta @ kc.transpose(-1, -2)) * pair_decay
-    system = system.tril(-1) + torch.eye(chunk, dtype=system.dtype, device=system.device)
-    rhs = torch.cat((vc * bc, k_beta * gc.exp()[..., None]), dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    values, key_decay = solved[..., : vc.shape[-1]], solved[..., vc.shape[-1] :]
+    system = ((k_beta @ kc.transpose(-1, -2)) * pair_decay).tril(-1)
+    solve = unit_lower_inverse(system)
+    values = solve @ (vc * bc)
+    key_decay = solve @ (k_beta * gc.exp()[..., None])
 
     intra = (qc @ kc.transpose(-1, -2)) * pair_decay
     q_decayed = qc * gc.exp()[..., None]
     last = gc[..., -1:]
-    k_to_end = kc * (last - gc).exp()[..., None]
+    k_to_end = (kc * (last - gc).exp()[..., None]).transpose(-1, -2).contiguous()
     chunk_decay = last.exp()[..., None]  # [HV, n, 1, 1]
 
     out = torch.empty_like(vc)
     for i in range(n):
-        v_new = values[:, i] - key_decay[:, i] @ s
-        out[:, i] = q_decayed[:, i] @ s + intra[:, i] @ v_new
-        s = s * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
+        v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
+        out[:, i] = torch.baddbmm(intra[:, i] @ v_new, q_decayed[:, i], s)
+        s = torch.baddbmm(s * chunk_decay[:, i], k_to_end[:, i], v_new)
     out = out.reshape(heads, n * chunk, -1)[:, front : front + steps]
-    return out.transpose(0, 1).to(out_dtype), s.float()
+    return out.transpose(0, 1).to(out_dtype), s
 
 
 def gated_delta_rule(

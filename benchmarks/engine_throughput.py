@@ -1,0 +1,93 @@
+"""Engine throughput against one-at-a-time ``Backbone.run_sequence`` on a random release (never a test).
+
+    python benchmarks/engine_throughput.py --hidden 512 --layers 8 --concurrency 8 --records 32
+
+Prints tokens/s of both paths, the speed-up, and the engine's step statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import threading
+import time
+
+import torch
+
+from clefserve.config import EngineConfig
+from clefserve.engine import Engine
+from clefserve.model.weights import load_backbone
+from clefserve.testing.release import ReleaseSpec, build_release
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--records", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=50)
+    parser.add_argument("--max-len", type=int, default=600)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    heads = max(1, args.hidden // 64)
+    spec = ReleaseSpec(
+        head=None, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64,
+        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+        linear_key_head_dim=64, linear_value_head_dim=64, tokenizer_vocab=2048,
+    )
+    config = EngineConfig(dtype=args.dtype, max_num_seqs=args.concurrency, prefill_chunk_size=args.chunk,
+                          kv_cache_mb=512, max_queue=4096)
+    with tempfile.TemporaryDirectory() as folder:
+        build_release(folder, spec, seed=0)
+        model = load_backbone(folder, config.torch_dtype)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.records)]
+    records = [torch.randint(0, vocab, (n,)) for n in lengths]
+    tokens = sum(len(r) for r in records)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype}; "
+          f"{args.records} records, {tokens} tokens ({args.min_len}-{args.max_len} each)")
+
+    model.run_sequence(records[0][:64])  # warm-up
+    started = time.perf_counter()
+    for ids in records:
+        model.run_sequence(ids)
+    reference = time.perf_counter() - started
+    print(f"one at a time : {tokens / reference:8.0f} tok/s ({reference:.2f} s)")
+
+    with Engine(model, config, lambda fs: [None] * len(fs)) as engine:
+        engine.submit(records[0][:64]).result()  # warm-up
+        queue = list(records)
+        lock = threading.Lock()
+
+        def client() -> None:  # closed loop: each client sends its next record when the last is answered
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    ids = queue.pop()
+                engine.submit(ids).result()
+
+        clients = [threading.Thread(target=client) for _ in range(args.concurrency)]
+        started = time.perf_counter()
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        elapsed = time.perf_counter() - started
+        stats = engine.stats()
+    print(f"engine        : {tokens / elapsed:8.0f} tok/s ({elapsed:.2f} s), "
+          f"x{reference / elapsed:.2f}; {stats['steps']} steps, {stats['multi_seq_steps']} shared, "
+          f"{tokens / max(1, stats['steps']):.0f} tokens/step")
+
+
+if __name__ == "__main__":
+    main()
