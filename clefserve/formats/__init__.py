@@ -1,0 +1,1 @@
+"""Model release formats: one subpackage per format (encoder, head, answers)."""

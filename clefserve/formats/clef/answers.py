@@ -1,0 +1,73 @@
+"""From per-question logits to the ``/v1/systemone`` response body (clef-format.md §6)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from clefserve.formats.clef.records import EncodedRecord
+
+DIGITS = 4
+
+
+def probabilities(logits: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Float32 softmax of each question's logits, over that question's options only.
+
+    One copy to the CPU, then one softmax per question: the same float32 ops as the reference, so equal
+    logits give bit-equal probabilities (a padded softmax could differ in the last bit).
+    """
+    flat = torch.cat([q.reshape(-1) for q in logits]).float().cpu()
+    return [q.softmax(-1).tolist() for q in flat.split([q.numel() for q in logits])]
+
+
+def answer_question(
+    question: dict[str, Any], option_ids: Sequence[str], probs: Sequence[float]
+) -> dict[str, Any]:
+    """One answer from the probabilities of the question's options (``option_ids`` in the head's order)."""
+    p = dict(zip(option_ids, probs, strict=True))
+    if not all(math.isfinite(v) for v in probs):
+        raise FloatingPointError(f"non-finite probabilities {list(probs)} for options {list(option_ids)}")
+    kind = question["type"]
+    if kind == "noul":
+        return {"type": "noul", "noul": round(p["true"], DIGITS)}
+    if kind == "choice":
+        labels = [str(label) for label in question["criteria"]]
+        choice = labels[0]
+        for label in labels[1:]:  # strictly greater: ties go to the earlier label in request order
+            if p[label] > p[choice]:
+                choice = label
+        return {
+            "type": "choice",
+            "choice": choice,
+            "confidence": round(p[choice], DIGITS),
+            "probabilities": {label: round(p[label], DIGITS) for label in labels},
+        }
+    levels = [str(i) for i in range(len(question["criteria"]))]
+    expected = sum(i * p[level] for i, level in enumerate(levels))
+    return {
+        "type": "score",
+        "score": round(expected, DIGITS),
+        "confidence": round(max(p[level] for level in levels), DIGITS),
+        "legend": dict(zip(levels, question["criteria"], strict=True)),
+        "probabilities": {level: round(p[level], DIGITS) for level in levels},
+    }
+
+
+def build_response(
+    request: dict[str, Any], record: EncodedRecord, logits: Sequence[torch.Tensor]
+) -> dict[str, Any]:
+    """The response body for ``request``, whose encoding is ``record`` and head output ``logits``."""
+    questions = request["questions"]
+    probs = probabilities(logits)
+    answers = {
+        q.question_id: answer_question(questions[q.question_id], q.option_ids, q_probs)
+        for q, q_probs in zip(record.questions, probs, strict=True)
+    }
+    return {
+        "model": request["model"],
+        "answers": answers,
+        "usage": {"input_tokens": len(record.input_ids), "output_tokens": 0},
+    }
