@@ -1,0 +1,31 @@
+"""What the HTTP layer needs from a model: the contract between ``create_app`` and an engine."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class DecisionBackend(Protocol):
+    def model_cards(self) -> list[dict[str, Any]]:
+        """``[{"name", "description", "release_date": "YYYY-MM-DD"}]`` for ``GET /v1/models``."""
+        ...
+
+    def ready(self) -> tuple[bool, str]:
+        """(ready to answer, reason shown by ``GET /ready``)."""
+        ...
+
+    async def decide(
+        self, body: dict[str, Any], request_id: str, is_disconnected: Callable[[], Awaitable[bool]],
+    ) -> dict[str, Any]:
+        """Answer one validated System One body, exactly as the client sent it.
+
+        Returns the response body ``{"model", "answers", "usage"}``. Raises
+        ``clefserve.errors.RequestError`` for a request it must refuse (sent as that status).
+        """
+        ...
+
+
+# Optional lifecycle: ``create_app`` awaits ``backend.start()`` when the server starts and
+# ``backend.stop()`` when it stops, if the backend defines them (e.g. to load weights in the background).

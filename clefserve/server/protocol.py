@@ -1,0 +1,249 @@
+"""Pydantic models of the System One wire format (systemone-api.md §2-§4).
+
+The request models only *validate*: the route hands the backend the body exactly as parsed, because the
+model renders values with ``json.dumps`` and key order and ``1`` vs ``1.0`` change the tokens.
+The response models document the answers in the OpenAPI schema; answers are not re-validated.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
+
+from clefserve.server.limits import (
+    MAX_CHOICE_LABELS,
+    MAX_QUESTIONS,
+    MAX_SCORE_LEVELS,
+    MIN_CHOICE_LABELS,
+    MIN_QUESTIONS,
+    MIN_SCORE_LEVELS,
+)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number" if isinstance(value, int | float) else type(value).__name__
+
+
+def _description(value: Any) -> Any:
+    if value is None or isinstance(value, str | dict | list):
+        return value
+    raise PydanticCustomError(
+        "description_type", "must be a string, an object, an array or null, not {kind}",
+        {"kind": _json_kind(value)},
+    )
+
+
+# Instructions and criteria descriptions: text, or JSON the question can point into. One validator
+# (not a union) so that a wrong type is one error with a plain location.
+Description = Annotated[
+    Any,
+    PlainValidator(_description),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "array"}, {"type": "null"}]}),
+]
+
+
+def _count_error(what: str, n: int, low: int, high: int) -> PydanticCustomError:
+    if n < low:
+        return PydanticCustomError(
+            "too_short", "{what}: at least {min_length} required, got {actual_length}",
+            {"what": what, "min_length": low, "actual_length": n},
+        )
+    return PydanticCustomError(
+        "too_long", "{what}: at most {max_length} allowed, got {actual_length}",
+        {"what": what, "max_length": high, "actual_length": n},
+    )
+
+
+class _Question(BaseModel):
+    # Unknown question fields are refused: a typo such as "instruction" would otherwise be dropped
+    # silently and the model would read the question id instead.
+    model_config = ConfigDict(extra="forbid")
+
+    instructions: Description = Field(
+        None, description="The question. When missing, null or empty, the question id is used instead.",
+    )
+
+
+class NoulCriteria(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    true: Description = Field(None, description="What counts as yes (default: a generic yes).")
+    false: Description = Field(None, description="What counts as no (default: a generic no).")
+
+
+class NoulQuestion(_Question):
+    type: Literal["noul"]
+    criteria: NoulCriteria | None = None
+
+
+class ChoiceQuestion(_Question):
+    type: Literal["choice"]
+    criteria: dict[str, Description] = Field(
+        description=f"Label -> description (null: the label alone), "
+                    f"{MIN_CHOICE_LABELS}-{MAX_CHOICE_LABELS} non-empty labels.",
+        min_length=MIN_CHOICE_LABELS, max_length=MAX_CHOICE_LABELS,
+    )
+
+    @field_validator("criteria", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            if not MIN_CHOICE_LABELS <= len(value) <= MAX_CHOICE_LABELS:
+                raise _count_error("choice labels", len(value), MIN_CHOICE_LABELS, MAX_CHOICE_LABELS)
+            if "" in value:
+                raise PydanticCustomError("empty_label", "choice labels must be non-empty strings")
+        return value
+
+
+class ScoreQuestion(_Question):
+    type: Literal["score"]
+    criteria: list[Description] = Field(
+        description=f"Ordered level descriptions, index 0 = lowest, "
+                    f"{MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels.",
+        min_length=MIN_SCORE_LEVELS, max_length=MAX_SCORE_LEVELS,
+    )
+
+    @field_validator("criteria", mode="before")
+    @classmethod
+    def _levels(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            raise PydanticCustomError(
+                "score_criteria_object",
+                'score criteria must be an array of level descriptions (index 0 = lowest); '
+                'the older object form {"0": ..., "1": ...} is not accepted',
+            )
+        if isinstance(value, list) and not MIN_SCORE_LEVELS <= len(value) <= MAX_SCORE_LEVELS:
+            raise _count_error("score levels", len(value), MIN_SCORE_LEVELS, MAX_SCORE_LEVELS)
+        return value
+
+
+Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+class SystemOneRequest(BaseModel):
+    """``POST /v1/systemone``. Unknown top-level fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="Model name or alias; echoed in the response.", examples=["jev-latest"])
+    state: Any = Field(description="The content every question refers to: any JSON value, null included.")
+    questions: dict[str, Question] = Field(
+        description=f"Question id -> question, {MIN_QUESTIONS}-{MAX_QUESTIONS} questions with non-empty ids; "
+                    "ids are echoed as answer keys.",
+        min_length=MIN_QUESTIONS, max_length=MAX_QUESTIONS,
+    )
+    # Media inputs of the reference and of TypeSafe's API. This server reads text only, and answering an
+    # image question without its image would be a wrong answer, so they are refused rather than ignored.
+    images: SkipJsonSchema[Any] = None
+    videos: SkipJsonSchema[Any] = None
+    assets: SkipJsonSchema[Any] = None
+
+    @field_validator("questions", mode="before")
+    @classmethod
+    def _questions(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            if not MIN_QUESTIONS <= len(value) <= MAX_QUESTIONS:
+                raise _count_error("questions", len(value), MIN_QUESTIONS, MAX_QUESTIONS)
+            if "" in value:
+                raise PydanticCustomError("empty_question_id", "question ids must be non-empty strings")
+        return value
+
+    @field_validator("images", "videos", "assets", mode="before")
+    @classmethod
+    def _no_media(cls, value: Any) -> Any:
+        if value not in (None, [], {}):
+            raise PydanticCustomError("media_unsupported",
+                                      "media inputs are not supported: this server reads text only")
+        return value
+
+
+# ---- responses (documentation) ----
+
+class NoulAnswer(BaseModel):
+    type: Literal["noul"]
+    noul: float = Field(description="P(yes), in [0, 1].")
+
+
+class ChoiceAnswer(BaseModel):
+    type: Literal["choice"]
+    choice: str = Field(description="The most probable label (ties: the earlier label in request order).")
+    confidence: float
+    probabilities: dict[str, float] = Field(description="Keyed by exactly the request's labels.")
+
+
+class ScoreAnswer(BaseModel):
+    type: Literal["score"]
+    score: float = Field(description="Expected level index, sum of i * p_i, on the 0..N-1 scale.")
+    confidence: float
+    legend: dict[str, Description] = Field(description='"0".."N-1" -> the criteria as sent.')
+    probabilities: dict[str, float]
+
+
+Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class SystemOneResponse(BaseModel):
+    model: str
+    answers: dict[str, Answer] = Field(description="One answer per question id, in request order.")
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    name: str
+    description: str
+    release_date: str = Field(description="YYYY-MM-DD")
+
+
+class OpenAIModel(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """TypeSafe's ``models`` and OpenAI's ``object``/``data`` in one body."""
+
+    models: list[ModelCard]
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    error_type: str
+
+
+class ErrorResponse(BaseModel):
+    detail: ErrorBody
+
+
+class ValidationErrorItem(BaseModel):
+    loc: list[str | int] = Field(examples=[["body", "questions", "urgency", "score", "criteria"]])
+    msg: str
+    type: str
+    input: Any = None
+    ctx: dict[str, Any] | None = None
+
+
+class HTTPValidationError(BaseModel):
+    detail: list[ValidationErrorItem]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready", "not_ready"]
+    reason: str

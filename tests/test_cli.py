@@ -1,0 +1,95 @@
+"""The clef-serve command line: help, the default subcommand, argument errors, and the wiring of serve."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from clefserve import cli
+
+
+def test_help_describes_the_server_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "System One" in out and "serve" in out
+    assert "clef-serve --w /models/clef-flash --d 0" in out
+
+
+def test_serve_help_lists_the_engine_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--w", "--d", "--dtype", "--p", "--h", "--served-model-name", "--api-key",
+                 "--max-body-bytes"):
+        assert flag in out
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--w", "x", "--d", "0"], ["serve", "--w", "x", "--d", "0"]),
+    ([], ["serve"]),
+    (["serve", "--w", "x"], ["serve", "--w", "x"]),
+    (["--help"], ["--help"]),
+])
+def test_serve_is_the_default_command(argv: list[str], expected: list[str]) -> None:
+    assert cli._with_default_command(argv) == expected
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    ([], "--w DIR is required"),
+    (["--w", "/no/such/folder"], "not a directory"),
+    (["--w", ".", "--d", "gpu"], "expected 'cpu' or a GPU index"),
+    (["--w", ".", "--dtype", "f64"], "invalid choice"),
+])
+def test_argument_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+class FakeDecider:
+    made: ClassVar[list[tuple[Any, ...]]] = []
+
+    def __init__(self, *args: Any) -> None:
+        FakeDecider.made.append(args)
+
+    def decide_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"model": r["model"], "answers": {q: {"type": "noul", "noul": 0.5} for q in r["questions"]},
+                 "usage": {"input_tokens": 3, "output_tokens": 0}} for r in requests]
+
+
+def test_serve_wires_decider_backend_and_uvicorn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    import clefserve.formats.clef.decider as decider_module
+
+    ran: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(decider_module, "ClefDecider", FakeDecider)
+    monkeypatch.setattr(cli, "configure_logging", lambda level: None)
+    (tmp_path / "clef-flash").mkdir()
+    folder = tmp_path / "clef-flash"
+
+    assert cli.main(["--w", str(folder), "--d", "cpu", "--dtype", "bf16", "--p", "9123", "--h", "127.0.0.2",
+                     "--api-key", "k", "--max-length", "2048"]) == 0
+    assert (ran["host"], ran["port"]) == ("127.0.0.2", 9123)
+    with TestClient(ran["app"]) as client:
+        for _ in range(100):
+            if client.get("/ready").status_code == 200:
+                break
+            time.sleep(0.02)
+        assert client.get("/ready").status_code == 200
+        assert FakeDecider.made[-1] == (folder, torch.bfloat16, torch.device("cpu"), 2048)
+        assert client.get("/v1/models").status_code == 401
+        models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
+        assert models["models"][0]["name"] == "clef-flash"
+        answer = client.post("/v1/systemone", headers={"Authorization": "Bearer k"},
+                             json={"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}})
+        assert answer.status_code == 200 and answer.json()["answers"]["q"]["noul"] == 0.5
