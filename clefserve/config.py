@@ -65,8 +65,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         dest="weights",
         metavar="DIR",
-        help="release folder: config.json, safetensors, tokenizer.json, joint_head.* "
-        "(default: the embedded demo model)",
+        help="release folder: config.json, model safetensors, tokenizer.json, joint_head.safetensors and "
+        "joint_head_config.json (required)",
     )
     model.add_argument(
         "--d",
