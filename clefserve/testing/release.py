@@ -210,3 +210,21 @@ def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: b
         head={"hidden_size": hidden_size, "width": 128, "routing_layers": 2, "layers": 4, "heads": 4,
               "feedforward": 512} if head else None,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m clefserve.testing.release DIR``: write a random (untrained) Clef-shaped release."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("folder")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    folder = build_release(args.folder, clef_shaped_spec(args.hidden, args.layers), seed=args.seed)
+    print(f"random Clef-shaped release written to {folder} (untrained: its answers mean nothing)")
+
+
+if __name__ == "__main__":
+    main()
