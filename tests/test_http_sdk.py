@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +18,8 @@ from typesafe_sdk import (
     TypeSafeClient,
     TypeSafeUnprocessableEntityError,
 )
+
+from clefserve.testing.server_process import ServerFailed, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_NAME = "clef-random"
@@ -40,48 +37,15 @@ QUESTIONS = {
 STATE = {"amount": 1250.0, "message": "Charged twice, refund today."}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, folder: Path, log: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        command = [sys.executable, "-m", "clefserve.cli", "--w", str(folder), "--p", str(self.port),
-                   "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TYPESAFE_", "CLEF_"))}
-        env["OMP_NUM_THREADS"] = "1"  # a tiny model: more threads only contend with the test process
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        super().__init__(folder, log, "--served-model-name", SERVED_NAME, *extra)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"clef-serve exited with {self.process.returncode}:\n{self.log.read_text()}")
-            try:
-                response = httpx.get(f"{self.url}/ready", timeout=2)
-                if response.status_code == 200:
-                    return
-                if "failed" in response.json().get("reason", ""):
-                    pytest.fail(f"clef-serve could not load the release: {response.text}\n"
-                                f"{self.log.read_text()}")
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"clef-serve not ready after {START_TIMEOUT_S}s:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+            super().wait_ready(timeout_s)
+        except ServerFailed as exc:
+            pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="module")
