@@ -55,7 +55,8 @@ def _release_date(folder: Path) -> dt.date:
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
-    from clefserve.server import ThreadedBackend, create_app
+    from clefserve.formats.clef.engine_backend import EngineBackend
+    from clefserve.server import create_app
 
     config = EngineConfig.from_args(args)
     if config.weights is None:
@@ -70,14 +71,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(config.log_level)
     name = config.served_model_name or folder.resolve().name
 
-    def load():  # runs on the backend's worker thread, after the server has started
+    def load():  # runs off the event loop, after the server has started
         from clefserve.formats.clef.decider import ClefDecider
 
         log.info("loading %s from %s (device %s, dtype %s)", name, folder, device, config.dtype)
         return ClefDecider(folder, config.torch_dtype, device, config.max_length)
 
-    backend = ThreadedBackend.loading(load, name, release_date=_release_date(folder),
-                                      description=f"Clef decision model {name} served by clef-serve")
+    backend = EngineBackend.loading(load, config, name, release_date=_release_date(folder),
+                                    description=f"Clef decision model {name} served by clef-serve")
     app = create_app(backend, config)
     log.info("clef-serve %s serving %s on http://%s:%d (auth %s)", __version__, name, config.host,
              config.port, "on" if config.api_key else "off")

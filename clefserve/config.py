@@ -35,6 +35,7 @@ class EngineConfig:
     prefix_cache_mb: int = 512
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    raw_probabilities: bool = False
     log_level: str = "info"
 
     @property
@@ -114,6 +115,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_body_bytes,
         help="larger request bodies get 413 (default: %(default)s)",
     )
+    server.add_argument("--x-raw-probabilities", dest="raw_probabilities", action="store_true",
+                        help="add x_probabilities (unrounded fp32 probabilities) to each answer, for audits")
     server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine")
     engine.add_argument(

@@ -165,13 +165,23 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps, ops)
         self.out_proj = Linear(self.value_width, hidden)
 
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta = sigmoid(b) and decay g = -exp(A_log) * softplus(a + dt_bias), in fp32 (exp(A_log) can
+        overflow fp16). Rows are padded to a multiple of 16: the CPU's vectorised exp/log differ in the
+        last bit from the scalar tail loop, which would make an element's value depend on the batch."""
+        rows = b.shape[0]
+        pad = (-rows) % 16
+        if pad:
+            b, a = F.pad(b, (0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad))
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return beta[:rows], g[:rows]
+
     def forward(self, x: torch.Tensor, batch: Batch, cache: ForwardCache) -> torch.Tensor:
         rows = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
-        # fp32: in fp16 exp(A_log) can overflow
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta, g = self._gates(self.in_proj_b(x), self.in_proj_a(x))
         weight = self.conv1d.weight[:, 0, :]
         core = x.new_empty(rows, self.v_heads, self.v_dim)
         for seq, start, end in batch.spans():

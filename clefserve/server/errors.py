@@ -17,7 +17,9 @@ def error_detail(message: str, error_type: str) -> dict[str, str]:
 
 
 def from_request_error(exc: RequestError) -> HTTPException:
-    return HTTPException(exc.status, error_detail(exc.message, exc.error_type))
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return HTTPException(exc.status, error_detail(exc.message, exc.error_type), headers=headers)
 
 
 def _jsonable(value: Any) -> Any:

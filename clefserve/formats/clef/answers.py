@@ -57,15 +57,21 @@ def answer_question(
 
 
 def build_response(
-    request: dict[str, Any], record: EncodedRecord, logits: Sequence[torch.Tensor]
+    request: dict[str, Any], record: EncodedRecord, logits: Sequence[torch.Tensor], raw: bool = False
 ) -> dict[str, Any]:
-    """The response body for ``request``, whose encoding is ``record`` and head output ``logits``."""
+    """The response body for ``request``, whose encoding is ``record`` and head output ``logits``.
+
+    ``raw`` adds ``x_probabilities`` (unrounded float32 probabilities by option id) to every answer, an
+    extension field for audits and exact comparisons (``--x-raw-probabilities``).
+    """
     questions = request["questions"]
     probs = probabilities(logits)
-    answers = {
-        q.question_id: answer_question(questions[q.question_id], q.option_ids, q_probs)
-        for q, q_probs in zip(record.questions, probs, strict=True)
-    }
+    answers = {}
+    for q, q_probs in zip(record.questions, probs, strict=True):
+        answer = answer_question(questions[q.question_id], q.option_ids, q_probs)
+        if raw:
+            answer["x_probabilities"] = dict(zip(q.option_ids, q_probs, strict=True))
+        answers[q.question_id] = answer
     return {
         "model": request["model"],
         "answers": answers,

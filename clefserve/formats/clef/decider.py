@@ -37,9 +37,13 @@ class ClefDecider:
         return self.head(hiddens, records, self.backbone.lm_head.weight)
 
     def answer(
-        self, request: dict[str, Any], record: EncodedRecord, logits: Sequence[torch.Tensor]
+        self,
+        request: dict[str, Any],
+        record: EncodedRecord,
+        logits: Sequence[torch.Tensor],
+        raw: bool = False,
     ) -> dict[str, Any]:
-        return build_response(request, record, logits)
+        return build_response(request, record, logits, raw)
 
     @torch.inference_mode()
     def decide_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:

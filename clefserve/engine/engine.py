@@ -1,0 +1,322 @@
+"""The engine: one worker thread owns the model and runs schedule -> forward -> finish, step after step.
+
+Other threads only submit, cancel and read stats; every scheduler and pool change happens under one lock,
+and the forward itself runs outside it. When sequences finish in a step, ``finish`` is called once with all
+of them (a decision head batches there) and each future gets its element of the returned list.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from clefserve.config import EngineConfig
+from clefserve.engine.errors import EngineClosedError, StepError
+from clefserve.engine.kv_pool import KVPool
+from clefserve.engine.memory import PoolPlan, plan_pools
+from clefserve.engine.runner import ModelRunner
+from clefserve.engine.scheduler import Scheduler, StepPlan
+from clefserve.engine.sequence import FinishedSequence, Sequence, Status
+from clefserve.engine.state_pool import StatePool
+from clefserve.errors import RequestError
+from clefserve.model.backbone import Backbone
+
+log = logging.getLogger(__name__)
+
+FinishFn = Callable[[list[FinishedSequence]], list[Any]]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Backbone,
+        config: EngineConfig,
+        finish: FinishFn,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
+        mc = model.config
+        self.model, self.config, self.finish = model, config, finish
+        self.pools: PoolPlan = plan_pools(mc, config, model.dtype, model.device, memory_budget_bytes)
+        # plain tensors even when built under inference_mode: the worker updates them in place
+        with torch.inference_mode(False):
+            self.kv = KVPool(
+                len(mc.full_layers), self.pools.num_blocks, config.block_size,
+                mc.num_key_value_heads, mc.head_dim, model.dtype, model.device,
+            )
+            self.states = StatePool(
+                self.pools.gdn_slots, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim,
+                mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
+                model.dtype, model.device,
+            )
+        self.runner = ModelRunner(model, self.kv, self.states)
+        self.scheduler = Scheduler(
+            self.kv.allocator, self.states.allocator, config.block_size, config.max_num_seqs,
+            config.prefill_chunk_size, config.max_queue, config.max_length,
+        )
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._to_reap: list[Sequence] = []  # running sequences cancelled from other threads
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # run on the worker between steps
+        self._trace: deque[tuple[tuple[int, int], ...]] = deque(maxlen=512)
+        self._counts = dict.fromkeys(
+            ("steps", "multi_seq_steps", "prefill_tokens", "finished", "cancelled_waiting",
+             "cancelled_running", "failed", "rejected"),
+            0,
+        )
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- client side (any thread) ----
+
+    def submit(
+        self, token_ids: Iterable[int] | torch.Tensor, payload: Any = None, keep_hidden: bool = True
+    ) -> Future:
+        """Queue one sequence; the future resolves to ``finish``'s value for it.
+
+        Raises :class:`RequestError` at once for a record that can never run (413 ``tokens_exceeded``) or a
+        full queue (429 ``overloaded``, :class:`~clefserve.engine.errors.QueueFullError`).
+        """
+        if not isinstance(token_ids, torch.Tensor):
+            token_ids = torch.tensor(list(token_ids), dtype=torch.long)
+        ids = token_ids.to(torch.long)
+        if ids.dim() != 1:
+            raise RequestError("token ids must be one flat list", status=422, error_type="invalid_request")
+        vocab = self.model.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise RequestError(f"token ids must lie in [0, {vocab})", 422, "invalid_request")
+        seq = Sequence(ids, payload, keep_hidden)
+        with self._lock:
+            if self.closed:
+                raise EngineClosedError("the engine is shut down")
+            try:
+                self.scheduler.add(seq)
+            except RequestError:
+                self._counts["rejected"] += 1
+                raise
+            self._wake.notify()
+        seq.future.add_done_callback(lambda fut: self._on_done(seq, fut))
+        return seq.future
+
+    def cancel(self, future: Future) -> bool:
+        """Drop a submitted sequence (client gone), freeing its blocks and slot; as ``future.cancel()``."""
+        return future.cancel()
+
+    @property
+    def closed(self) -> bool:
+        """Shut down (or the worker thread is gone): submit refuses new sequences."""
+        return self._closed or not self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = self._counts
+            return {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_blocks_free": self.kv.allocator.num_free,
+                "kv_blocks_total": self.kv.num_blocks,
+                "kv_block_size": self.kv.block_size,
+                "kv_tokens_total": self.kv.token_capacity,
+                "kv_bytes": self.pools.kv_bytes,
+                "gdn_slots_free": self.states.allocator.num_free,
+                "gdn_slots_total": self.states.allocator.num_slots,
+                "gdn_bytes": self.pools.gdn_bytes,
+                "cancelled": c["cancelled_waiting"] + c["cancelled_running"],
+                "tokens_per_second": self.scheduler.tokens_per_second,
+                **c,
+            }
+
+    def recent_steps(self) -> list[tuple[tuple[int, int], ...]]:
+        """The last steps' ``((seq_id, tokens), ...)``, oldest first (debugging, tests)."""
+        with self._lock:
+            return list(self._trace)
+
+    def poison_free_memory(self, value: float = float("nan")) -> None:
+        """Test hook: fill every free KV block and free GDN slot with ``value``, between two steps."""
+
+        def poison() -> None:
+            self.kv.fill_blocks(self.kv.allocator.free_ids(), value)
+            self.states.fill_slots(self.states.allocator.free_ids(), value)
+
+        self._on_worker(poison)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the worker after its current step; unfinished futures fail with EngineClosedError."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        with self._lock:
+            left = [*self.scheduler.waiting, *self.scheduler.running]
+            for seq in left:
+                self.scheduler.remove(seq, Status.FAILED)
+            calls = list(self._calls)
+            self._calls.clear()
+        closed = EngineClosedError("the engine shut down before this sequence finished")
+        for seq in left:
+            _set_exception(seq.future, closed)
+        for _, fut in calls:
+            _set_exception(fut, closed)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals ----
+
+    def _on_done(self, seq: Sequence, fut: Future) -> None:
+        if not fut.cancelled():
+            return
+        with self._lock:
+            if seq.status is Status.WAITING:
+                self.scheduler.remove(seq, Status.CANCELLED)
+                self._counts["cancelled_waiting"] += 1
+            elif seq.status is Status.RUNNING:
+                seq.cancel_requested = True
+                self._to_reap.append(seq)
+                self._wake.notify()
+
+    def _on_worker(self, fn: Callable[[], Any]) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed or threading.current_thread() is self._thread or not self._thread.is_alive():
+                return fn()
+            self._calls.append((fn, fut))
+            self._wake.notify()
+        return fut.result()
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                self._iteration()
+            except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
+                log.exception("engine loop error; failing the sequences in flight")
+                with self._lock:
+                    in_flight = [*self.scheduler.running, *self.scheduler.waiting]
+                self._fail([(seq, exc) for seq in in_flight])
+
+    def _iteration(self) -> None:
+        with self._wake:
+            while not (self._closed or self._calls or self._to_reap or self.scheduler.has_work()):
+                self._wake.wait()
+            if self._closed:
+                return
+            self._run_calls()
+            self._reap()
+            plan = self.scheduler.schedule()
+        self._prepare(plan)
+        if plan.chunks:
+            self._step(plan)
+        elif self.scheduler.has_work():
+            with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
+                self._wake.wait(0.01)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, fut = self._calls.popleft()
+            try:
+                fut.set_result(fn())
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _reap(self) -> None:
+        for seq in self._to_reap:
+            if self.scheduler.remove(seq, Status.CANCELLED):
+                self._counts["cancelled_running"] += 1
+        self._to_reap.clear()
+
+    def _prepare(self, plan: StepPlan) -> None:
+        failed = []
+        for seq in plan.admitted:
+            try:
+                self.runner.prepare(seq)
+            except Exception as exc:  # e.g. no memory for the hidden rows: only this sequence fails
+                log.exception("could not set up sequence %d", seq.seq_id)
+                failed.append((seq, exc))
+        if failed:
+            self._fail(failed)
+            dropped = {id(seq) for seq, _ in failed}
+            plan.chunks = [(s, n) for s, n in plan.chunks if id(s) not in dropped]
+
+    def _step(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
+        try:
+            self.runner.run(plan.chunks)
+        except Exception as exc:
+            # the GDN state of every sequence in the step may be half-updated: fail them all
+            log.exception("engine step failed (%d sequences, %d tokens)", len(plan.chunks), plan.num_tokens)
+            self._fail([(seq, exc) for seq, _ in plan.chunks])
+            return
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            done = self.scheduler.complete(plan)
+            self._account(plan, elapsed)
+        live = [seq for seq in done if seq.future.set_running_or_notify_cancel()]
+        if len(live) < len(done):
+            with self._lock:
+                self._counts["cancelled_running"] += len(done) - len(live)
+        if live:
+            self._finish(live)
+
+    def _account(self, plan: StepPlan, elapsed: float) -> None:
+        c = self._counts
+        c["steps"] += 1
+        c["prefill_tokens"] += plan.num_tokens
+        if len(plan.chunks) > 1:
+            c["multi_seq_steps"] += 1
+        self._trace.append(tuple((seq.seq_id, n) for seq, n in plan.chunks))
+        rate = plan.num_tokens / max(elapsed, 1e-6)
+        tps = self.scheduler.tokens_per_second
+        self.scheduler.tokens_per_second = rate if tps == 0 else 0.8 * tps + 0.2 * rate
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        finished = [FinishedSequence(s.seq_id, s.payload, s.token_ids, s.hidden) for s in seqs]
+        for seq in seqs:
+            seq.hidden = None
+        try:
+            results = self.finish(finished)
+            if len(results) != len(seqs):
+                raise StepError(f"finish returned {len(results)} results for {len(seqs)} sequences")
+        except Exception as exc:
+            log.exception("finish callback failed for %d sequences", len(seqs))
+            with self._lock:
+                self._counts["failed"] += len(seqs)
+            for seq in seqs:
+                _set_exception(seq.future, exc)
+            return
+        with self._lock:
+            self._counts["finished"] += len(seqs)
+        for seq, result in zip(seqs, results, strict=True):
+            if isinstance(result, BaseException):
+                _set_exception(seq.future, result)
+            else:
+                seq.future.set_result(result)
+
+    def _fail(self, failures: list[tuple[Sequence, Exception]]) -> None:
+        with self._lock:
+            for seq, _ in failures:
+                self.scheduler.remove(seq, Status.FAILED)
+            self._counts["failed"] += len(failures)
+        for seq, exc in failures:
+            _set_exception(seq.future, exc)
+
+
+def _set_exception(fut: Future, exc: BaseException) -> None:
+    """Fail a future unless it is already resolved or was cancelled."""
+    if fut.done() or (not fut.running() and not fut.set_running_or_notify_cancel()):
+        return
+    fut.set_exception(exc)

@@ -1,0 +1,114 @@
+"""The paged KV pool of the attention layers and its block allocator.
+
+Every attention layer has K and V tensors ``[num_blocks, block_size, kv_heads, head_dim]`` in the model
+dtype. A sequence owns a list of block ids (its block table); token ``p`` of it lives in block
+``table[p // block_size]`` at offset ``p % block_size``. Blocks carry reference counts so that a later
+prefix cache can share one block between sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockAllocator:
+    """Hands out a run of adjacent blocks when one is free (attention then reads the sequence's K/V in
+    place instead of gathering it), else the lowest free blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._is_free = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def free_ids(self) -> list[int]:
+        return [i for i, free in enumerate(self._is_free) if free]
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self._num_free
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self._num_free:
+            raise RuntimeError(f"KV pool exhausted: {n} blocks asked, {self._num_free} free")
+        start = self._is_free.find(b"\x01" * n) if n > 1 else -1
+        if start >= 0:
+            blocks = list(range(start, start + n))
+        else:
+            blocks, pos = [], 0
+            for _ in range(n):
+                pos = self._is_free.find(1, pos)
+                blocks.append(pos)
+                pos += 1
+        for b in blocks:
+            self._is_free[b] = 0
+            self._refs[b] = 1
+        self._num_free -= n
+        return blocks
+
+    def share(self, block: int) -> None:
+        """One more owner of an allocated block (prefix sharing)."""
+        if self._refs[block] <= 0:
+            raise RuntimeError(f"block {block} is not allocated")
+        self._refs[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"block {b} freed twice")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._is_free[b] = 1
+                self._num_free += 1
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        # never read before written: a sequence only reads its own first past+T positions
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def token_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer viewed as ``[num_blocks * block_size, kv_heads, head_dim]``."""
+        rows = self.num_blocks * self.block_size
+        return (
+            self.k[layer].view(rows, self.kv_heads, self.head_dim),
+            self.v[layer].view(rows, self.kv_heads, self.head_dim),
+        )
+
+    def fill_blocks(self, blocks: list[int], value: float) -> None:
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            self.k.index_fill_(1, index, value)
+            self.v.index_fill_(1, index, value)

@@ -1,0 +1,55 @@
+"""Runs one engine step: the scheduled chunks of several sequences as one variable-length forward."""
+
+from __future__ import annotations
+
+import torch
+
+from clefserve.engine.kv_pool import KVPool
+from clefserve.engine.paged_cache import PagedCache, seq_slots
+from clefserve.engine.sequence import Sequence
+from clefserve.engine.state_pool import StatePool
+from clefserve.model.backbone import Backbone
+from clefserve.model.layers import Batch
+
+
+class ModelRunner:
+    def __init__(self, model: Backbone, kv: KVPool, states: StatePool) -> None:
+        self.model, self.kv, self.states = model, kv, states
+        config = model.config
+        self.attention_index = {layer: i for i, layer in enumerate(config.full_layers)}
+        self.gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
+        self.device = model.device
+
+    def prepare(self, seq: Sequence) -> None:
+        """Per-sequence device tensors, made once at admission."""
+        seq.block_table_tensor = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        table = seq.block_table
+        adjacent = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
+        seq.first_block = table[0] if adjacent else None
+        if seq.keep_hidden:
+            shape = (seq.num_prompt_tokens, self.model.config.hidden_size)
+            seq.hidden = torch.empty(shape, dtype=self.model.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run ``num_tokens`` new tokens of each ``(sequence, num_tokens)``; returns the hidden rows [N, H].
+
+        Keeps the rows of sequences that asked for them; does not advance ``num_computed``.
+        """
+        past = [seq.num_computed for seq, _ in chunks]
+        ids = torch.cat([seq.token_ids[p : p + n] for (seq, n), p in zip(chunks, past, strict=True)])
+        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past))
+        slots = []
+        for (seq, n), p in zip(chunks, past, strict=True):
+            assert seq.block_table_tensor is not None and seq.slot is not None
+            slots.append(
+                seq_slots(p, n, seq.block_table_tensor, self.kv.block_size, seq.slot, seq.first_block)
+            )
+        cache = PagedCache(self.kv, self.states, self.attention_index, self.gdn_index, slots)
+        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache)
+        start = 0
+        for (seq, n), p in zip(chunks, past, strict=True):
+            if seq.hidden is not None and p + n <= seq.hidden.shape[0]:
+                seq.hidden[p : p + n].copy_(hidden[start : start + n])
+            start += n
+        return hidden

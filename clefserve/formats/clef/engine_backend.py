@@ -1,0 +1,152 @@
+"""A DecisionBackend over the serving engine: many requests in flight, batched backbone steps and heads.
+
+Each request is encoded, submitted to the :class:`~clefserve.engine.Engine` with ``(body, record)`` as
+payload, and awaited. When records finish in one engine step the head runs once over all of them on the
+engine's thread. A client that disconnects has its sequence cancelled, which frees its blocks and slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from clefserve.config import EngineConfig
+from clefserve.engine import Engine, EngineClosedError, FinishedSequence
+from clefserve.errors import RequestError
+from clefserve.formats.clef.decider import ClefDecider
+from clefserve.formats.clef.records import EncodedRecord
+
+log = logging.getLogger(__name__)
+
+# How often a waiting request asks whether its client is still there.
+DISCONNECT_POLL_SECONDS = 0.1
+
+
+class EngineBackend:
+    def __init__(
+        self,
+        decider: ClefDecider | None,
+        config: EngineConfig,
+        served_model_name: str,
+        *,
+        description: str | None = None,
+        release_date: dt.date | None = None,
+        load: Callable[[], ClefDecider] | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
+        """``decider``: ready to use; or ``decider=None`` with ``load``, called off the event loop by
+        ``start()`` so the server answers /health (and /ready with 503) while the weights load."""
+        if (decider is None) == (load is None):
+            raise ValueError("pass either a decider or a load function")
+        self.config = config
+        self._load = load
+        self._budget = memory_budget_bytes
+        self._name = served_model_name
+        self._description = description or f"Clef decision model {served_model_name}, served by clef-serve"
+        self._release_date = release_date or dt.date.today()
+        self.decider: ClefDecider | None = None
+        self.engine: Engine | None = None
+        self._reason = "not started"
+        if decider is not None:
+            self._attach(decider)
+
+    @classmethod
+    def loading(cls, load: Callable[[], ClefDecider], config: EngineConfig, served_model_name: str,
+                **kwargs: Any) -> EngineBackend:
+        return cls(None, config, served_model_name, load=load, **kwargs)
+
+    def _attach(self, decider: ClefDecider) -> None:
+        self.engine = Engine(decider.backbone, self.config, self._finish, self._budget)
+        self.decider = decider
+        self._reason = "ready"
+
+    # ---- DecisionBackend ----
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [{"name": self._name, "description": self._description,
+                 "release_date": self._release_date.isoformat()}]
+
+    def ready(self) -> tuple[bool, str]:
+        return self.engine is not None and not self.engine.closed, self._reason
+
+    async def start(self) -> None:
+        if self._load is not None and self.engine is None:
+            self._reason = "loading the model"
+            # Not awaited: the server answers /health and /ready while this runs.
+            asyncio.get_running_loop().run_in_executor(None, self._run_load)
+
+    def _run_load(self) -> None:
+        assert self._load is not None
+        try:
+            self._attach(self._load())
+        except Exception as exc:  # the log and /ready say why; the process stays up, not ready
+            log.exception("loading the model failed")
+            self._reason = f"loading the model failed: {type(exc).__name__}: {exc}"
+            return
+        log.info("model %s is ready", self._name)
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+            self._reason = "stopped"
+
+    async def decide(
+        self, body: dict[str, Any], request_id: str, is_disconnected: Callable[[], Awaitable[bool]],
+    ) -> dict[str, Any]:
+        engine, decider = self.engine, self.decider
+        if engine is None or decider is None or engine.closed:
+            raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
+        record = await asyncio.to_thread(decider.encode, body)
+        try:
+            future = engine.submit(record.input_ids, payload=(body, record))
+        except EngineClosedError as exc:
+            raise RequestError("the server is shutting down", status=503, error_type="unavailable") from exc
+        waiting = asyncio.wrap_future(future)  # cancelling it (task cancelled) cancels the sequence too
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    return waiting.result()
+                if await is_disconnected():
+                    raise RequestError("the client disconnected", status=499, error_type="cancelled")
+        finally:
+            if not future.done():
+                engine.cancel(future)
+
+    # ---- on the engine's thread ----
+
+    def _finish(self, finished: list[FinishedSequence]) -> list[Any]:
+        """The head over every record that finished in one engine step, then each record's answer."""
+        assert self.decider is not None
+        decider = self.decider
+        records: list[EncodedRecord] = [f.payload[1] for f in finished]
+        hiddens: list[torch.Tensor] = [f.hidden for f in finished]
+        try:
+            logits: list[Any] = decider.logits(hiddens, records)
+        except Exception:
+            # find the record at fault: the others still get their answers
+            log.exception("the head failed on a batch of %d records; retrying one by one", len(records))
+            logits = [self._one_record(decider, h, r) for h, r in zip(hiddens, records, strict=True)]
+        results: list[Any] = []
+        for f, record_logits in zip(finished, logits, strict=True):
+            if isinstance(record_logits, Exception):
+                results.append(record_logits)
+                continue
+            body, record = f.payload
+            try:
+                results.append(decider.answer(body, record, record_logits, self.config.raw_probabilities))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    @staticmethod
+    def _one_record(decider: ClefDecider, hidden: torch.Tensor, record: EncodedRecord) -> Any:
+        try:
+            return decider.logits([hidden], [record])[0]
+        except Exception as exc:
+            return exc

@@ -1,0 +1,121 @@
+"""EngineBackend: concurrent requests through the engine answer like sequential ones; disconnects cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+from clefserve.config import EngineConfig
+from clefserve.errors import RequestError
+from clefserve.formats.clef import ClefDecider
+from clefserve.formats.clef.engine_backend import EngineBackend
+from clefserve.testing.release import ReleaseSpec
+from tests.request_gen import RequestGenerator
+
+MAX_LENGTH = 450
+
+
+async def connected() -> bool:
+    return False
+
+
+def assert_same_answers(ours: Any, ref: Any, path: tuple = ()) -> None:
+    """Equal, except that a rounded number may move one step (1e-4) when float noise crosses a boundary."""
+    if isinstance(ref, dict):
+        assert isinstance(ours, dict) and list(ours) == list(ref), path
+        for key in ref:
+            assert_same_answers(ours[key], ref[key], (*path, key))
+    elif isinstance(ref, float) and not isinstance(ref, bool):
+        assert isinstance(ours, float) and math.isclose(ours, ref, abs_tol=1.5e-4), (path, ours, ref)
+    else:
+        assert ours == ref, (path, ours, ref)
+
+
+@pytest.fixture(scope="module")
+def decider(make_release) -> ClefDecider:
+    return ClefDecider(make_release(ReleaseSpec(), seed=21), max_length=MAX_LENGTH)
+
+
+def _config(**overrides: Any) -> EngineConfig:
+    values = dict(max_num_seqs=4, prefill_chunk_size=128, block_size=16, kv_cache_mb=8, max_queue=64,
+                  max_length=MAX_LENGTH)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def test_concurrent_requests_answer_like_sequential_ones(decider):
+    generator = RequestGenerator(seed=4)
+    bodies, sequential = [], []
+    while len(bodies) < 40:
+        body = generator.request(long_state=len(bodies) % 5 == 0, max_questions=3)
+        try:
+            sequential.append(decider.decide_batch([body])[0])
+        except RequestError:  # a schema longer than MAX_LENGTH
+            continue
+        bodies.append(body)
+    backend = EngineBackend(decider, _config(), "clef-test")
+
+    async def run() -> list[dict[str, Any]]:
+        await backend.start()
+        try:
+            calls = [backend.decide(body, f"r{i}", connected) for i, body in enumerate(bodies)]
+            return await asyncio.gather(*calls)
+        finally:
+            await backend.stop()
+
+    assert backend.ready() == (True, "ready")
+    concurrent = asyncio.run(run())
+    lengths = [r["usage"]["input_tokens"] for r in sequential]
+    assert min(lengths) < 256 and max(lengths) > 3 * 128  # records of one chunk and of several
+    for ours, ref in zip(concurrent, sequential, strict=True):
+        assert_same_answers(ours, ref)
+    stats = backend.engine.stats()
+    assert stats["finished"] == 40 and stats["multi_seq_steps"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert not backend.ready()[0]
+
+
+def test_a_disconnected_client_is_cancelled_and_frees_its_sequence(decider):
+    generator = RequestGenerator(seed=5)
+    backend = EngineBackend(decider, _config(max_num_seqs=1, prefill_chunk_size=16), "clef-test")
+    polls = 0
+
+    async def gone_after_first_poll() -> bool:
+        nonlocal polls
+        polls += 1
+        return polls > 1
+
+    async def run() -> None:
+        # a long record ahead keeps the engine busy, so the second request is still waiting
+        first, second = (generator.request(long_state=True, max_questions=1) for _ in range(2))
+        blocker = asyncio.create_task(backend.decide(first, "a", connected))
+        with pytest.raises(RequestError) as gone:
+            await backend.decide(second, "b", gone_after_first_poll)
+        assert (gone.value.status, gone.value.error_type) == (499, "cancelled")
+        await blocker
+        await backend.stop()
+
+    asyncio.run(run())
+    stats = backend.engine.stats()
+    assert stats["cancelled"] == 1 and stats["finished"] == 1
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["gdn_slots_free"] == stats["gdn_slots_total"]
+
+
+def test_refusals_are_request_errors(decider):
+    backend = EngineBackend(decider, _config(kv_cache_mb=None, max_queue=0), "clef-test",
+                            memory_budget_bytes=64 << 20)
+
+    async def run() -> None:
+        with pytest.raises(RequestError) as full:
+            await backend.decide(RequestGenerator(seed=6).request(max_questions=1), "r", connected)
+        assert full.value.status == 429 and full.value.retry_after >= 1
+        await backend.stop()
+        with pytest.raises(RequestError) as stopped:
+            await backend.decide(RequestGenerator(seed=6).request(max_questions=1), "r", connected)
+        assert stopped.value.status == 503
+
+    asyncio.run(run())

@@ -1,0 +1,120 @@
+"""Scheduling: FIFO admission without starvation, and the per-step token budget."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from clefserve.engine import Engine
+from clefserve.engine.kv_pool import BlockAllocator
+from clefserve.engine.scheduler import Scheduler
+from clefserve.engine.sequence import Sequence, Status
+from clefserve.engine.state_pool import SlotAllocator
+from clefserve.model.weights import load_backbone
+from tests.engine_support import ENGINE_SPECS, PausingFinish, small_config
+
+
+def _scheduler(blocks=64, slots=3, block_size=4, budget=16, max_queue=100) -> Scheduler:
+    allocators = BlockAllocator(blocks), SlotAllocator(slots)
+    return Scheduler(*allocators, block_size, slots, budget, max_queue, max_length=10_000)
+
+
+def _seq(n: int, name: str) -> Sequence:
+    return Sequence(torch.zeros(n, dtype=torch.long), payload=name)
+
+
+def _drain(scheduler: Scheduler) -> tuple[list[list[tuple[str, int]]], list[str]]:
+    steps, finished = [], []
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        assert plan.chunks
+        steps.append([(s.payload, n) for s, n in plan.chunks])
+        finished += [s.payload for s in scheduler.complete(plan)]
+    return steps, finished
+
+
+def test_budget_is_spent_in_admission_order_and_long_records_are_chunked():
+    scheduler = _scheduler(budget=16)
+    for n, name in [(40, "long"), (5, "a"), (3, "b"), (20, "c")]:
+        scheduler.add(_seq(n, name))
+    steps, finished = _drain(scheduler)
+    assert all(sum(n for _, n in step) <= 16 for step in steps)
+    assert steps[0] == [("long", 16)]
+    assert steps[2] == [("long", 8), ("a", 5), ("b", 3)]  # the long record's last chunk shares its step
+    assert steps[3] == [("c", 16)] and steps[4] == [("c", 4)]
+    assert finished == ["long", "a", "b", "c"]
+    assert scheduler.blocks.num_free == 64 and scheduler.slots.num_free == 3
+
+
+def test_head_of_queue_is_never_overtaken():
+    scheduler = _scheduler(blocks=10, slots=3, block_size=4, budget=8)
+    scheduler.add(_seq(8, "s0"))  # 2 blocks
+    scheduler.add(_seq(36, "long"))  # 9 blocks: must wait for s0
+    for i in range(1, 6):
+        scheduler.add(_seq(4, f"s{i}"))  # 1 block each, would fit beside s0
+    plan = scheduler.schedule()
+    assert [s.payload for s in plan.admitted] == ["s0"]
+    finished = [s.payload for s in scheduler.complete(plan)] + _drain(scheduler)[1]
+    assert finished.index("long") < finished.index("s1")
+
+
+def test_cancel_frees_what_a_sequence_holds():
+    scheduler = _scheduler(blocks=8, slots=2)
+    seqs = [_seq(8, str(i)) for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    scheduler.schedule()
+    assert scheduler.remove(seqs[0], Status.CANCELLED) and scheduler.remove(seqs[3], Status.CANCELLED)
+    assert not scheduler.remove(seqs[0], Status.CANCELLED)
+    assert _drain(scheduler)[1] == ["1", "2"]
+    assert scheduler.blocks.num_free == 8 and scheduler.slots.num_free == 2
+
+
+@pytest.fixture(scope="module")
+def model(make_release):
+    return load_backbone(make_release(ENGINE_SPECS["default"], seed=9))
+
+
+def test_long_record_at_the_head_is_not_starved_by_a_stream_of_short_ones(model):
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    finish = PausingFinish()
+    # 8 blocks of 8 tokens: the long record needs the whole pool, a short one a single block
+    per_block = 8 * 1 * 2 * 2 * 16 * 4
+    config = small_config(max_num_seqs=4, prefill_chunk_size=16, block_size=8, kv_cache_mb=None,
+                          kv_fraction=1.0)
+    with Engine(model, config, finish, memory_budget_bytes=8 * per_block) as engine:
+        finish.hold()
+        engine.submit(torch.randint(0, vocab, (8,), generator=gen), payload="b0")
+        finish.wait_held()
+        def record(n: int, name: str):
+            return engine.submit(torch.randint(0, vocab, (n,), generator=gen), payload=name)
+
+        before = [record(8, f"a{i}") for i in range(3)]
+        long = record(64, "long")
+        after = [record(8, f"z{i}") for i in range(6)]
+        stop = threading.Event()
+
+        def stream():  # keeps short records coming while the long one waits
+            i = 0
+            while not stop.is_set() and i < 200:
+                engine.submit(torch.randint(0, vocab, (8,)), payload=f"x{i}")
+                i += 1
+                stop.wait(0.002)
+
+        feeder = threading.Thread(target=stream)
+        feeder.start()
+        finish.release()
+        try:
+            assert long.result(timeout=30) == "long"
+        finally:
+            stop.set()
+            feeder.join()
+        for f in before + after:
+            f.result(timeout=30)
+        order = finish.order
+        assert all(order.index(f"a{i}") < order.index("long") for i in range(3))
+        assert all(order.index("long") < order.index(f"z{i}") for i in range(6))
+        assert not any(p.startswith("x") for p in order[: order.index("long")])
