@@ -78,7 +78,11 @@ def test_concurrent_requests_answer_like_sequential_ones(decider):
     assert not backend.ready()[0]
 
 
-def test_a_disconnected_client_is_cancelled_and_frees_its_sequence(decider):
+def test_a_disconnected_client_is_cancelled_and_frees_its_sequence(decider, monkeypatch):
+    import clefserve.formats.clef.engine_backend as engine_backend
+
+    # poll without waiting, so the second request is still queued behind the first when its client goes
+    monkeypatch.setattr(engine_backend, "DISCONNECT_POLL_SECONDS", 0.0)
     generator = RequestGenerator(seed=5)
     backend = EngineBackend(decider, _config(max_num_seqs=1, prefill_chunk_size=16), "clef-test")
     polls = 0
