@@ -30,13 +30,15 @@ def prefill_flops(config: BackboneConfig, tokens: int) -> float:
     return 2.0 * per_token * tokens
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 1.5) -> float:
-    """FLOP/s of a large square matmul in ``dtype`` on the current torch threads."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 3072), trials: int = 3) -> float:
+    """Best FLOP/s of large square matmuls in ``dtype`` on the current torch threads."""
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
         a @ b
-        runs += 1
-    return 2.0 * size**3 * runs / (time.perf_counter() - start)
+        for _ in range(trials):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2.0 * size**3 / (time.perf_counter() - start))
+    return best

@@ -77,7 +77,8 @@ def run_reference(folder: Path, dtype: torch.dtype, requests: list[dict]) -> tup
 
 def run_server(url: str, requests: list[dict], concurrency: int) -> tuple[float, list[float], int]:
     with httpx.Client(base_url=url, timeout=600) as client:
-        client.post("/v1/systemone", json=requests[0]).raise_for_status()  # warm-up
+        warm_up = {**requests[0], "state": "warm-up"}  # not one of the measured states
+        client.post("/v1/systemone", json=warm_up).raise_for_status()
 
         def call(request: dict) -> tuple[float, int]:
             t = time.perf_counter()
@@ -130,20 +131,25 @@ def main(argv: list[str] | None = None) -> None:
         encoder = ClefEncoder.from_folder(folder)
         rng = random.Random(0)
         lengths = [args.long if i % 2 else args.short for i in range(args.requests)]
-        requests = [make_request(encoder, length, rng) for length in lengths]
-        rng.shuffle(requests)
+
+        def workload() -> list[dict]:
+            # fresh states for every measurement: a prefix cache may only reuse what real traffic shares
+            batch = [make_request(encoder, length, rng) for length in lengths]
+            rng.shuffle(batch)
+            return batch
+
         print(f"# hidden {args.hidden}, {args.layers} layers, {args.requests} requests "
               f"(~{args.short}/~{args.long} tokens), {args.threads} threads, server: {args.server_args}")
         for name in args.dtypes:
             dtype = DTYPES[name]
             print(f"{name}:")
-            wall, latencies, tokens = run_reference(folder, dtype, requests)
+            wall, latencies, tokens = run_reference(folder, dtype, workload())
             base = report("reference systemone(), 1 at a time", wall, latencies, tokens, None)
             extra = ["--dtype", name, *args.server_args.split()]
             log = Path(tmp) / f"server-{name}.log"
             with ServerProcess(folder, log, *extra, threads=args.threads) as server:
                 for concurrency in args.concurrency:
-                    wall, latencies, tokens = run_server(server.url, requests, concurrency)
+                    wall, latencies, tokens = run_server(server.url, workload(), concurrency)
                     report(f"clef-serve, concurrency {concurrency}", wall, latencies, tokens, base)
             achieved, share = long_prefill_utilisation(folder, dtype, args.long)
             print(f"  long-record prefill ({args.long} tokens): {achieved / 1e9:.1f} GFLOP/s = "
