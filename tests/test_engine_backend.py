@@ -71,10 +71,13 @@ def test_concurrent_requests_answer_like_sequential_ones(decider):
     lengths = [r["usage"]["input_tokens"] for r in sequential]
     assert min(lengths) < 256 and max(lengths) > 3 * 128  # records of one chunk and of several
     for ours, ref in zip(concurrent, sequential, strict=True):
+        cached = ours["usage"].pop("x_cached_tokens")  # the prefix cache's share of the record
+        assert 0 <= cached <= ours["usage"]["input_tokens"]
         assert_same_answers(ours, ref)
     stats = backend.engine.stats()
+    assert stats["prefix_hit_tokens"] > 0  # at least the fixed system prefix
     assert stats["finished"] == 40 and stats["multi_seq_steps"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["kv_blocks_free"] + stats["prefix_blocks_cache_only"] == stats["kv_blocks_total"]
     assert not backend.ready()[0]
 
 
@@ -105,7 +108,7 @@ def test_a_disconnected_client_is_cancelled_and_frees_its_sequence(decider, monk
     asyncio.run(run())
     stats = backend.engine.stats()
     assert stats["cancelled"] == 1 and stats["finished"] == 1
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["kv_blocks_free"] + stats["prefix_blocks_cache_only"] == stats["kv_blocks_total"]
     assert stats["gdn_slots_free"] == stats["gdn_slots_total"]
 
 

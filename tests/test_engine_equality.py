@@ -54,7 +54,8 @@ def test_engine_rows_equal_one_piece_runs(make_release, name):
     gen = torch.Generator().manual_seed(len(name))
     records = [random_ids(model.config.vocab_size, n, gen) for n in _lengths(chunk, rng)]
     expected = [model.run_sequence(ids)[0] for ids in records]
-    config = small_config(max_num_seqs=seqs, prefill_chunk_size=chunk, block_size=block)
+    # no prefix cache: it would serve the second pass whole (tests/test_prefix_cache.py covers it)
+    config = small_config(max_num_seqs=seqs, prefill_chunk_size=chunk, block_size=block, prefix_cache=False)
     with Engine(model, config, keep_hidden) as engine:
         engine.poison_free_memory()
         first = _submit_all(engine, records)

@@ -2,7 +2,8 @@
 
 40 requests of mixed lengths (tiny ones and ones several times --prefill-chunk-size) are sent at once and
 then one at a time to the same clef-serve process; unrounded probabilities (``--x-raw-probabilities``)
-must agree within 1e-5 (fp32) and choices must be identical.
+must agree within 1e-5 (fp32) and choices must be identical. The prefix cache is off here: it would serve
+the second pass from the first one's rows (tests/test_prefix_cache.py checks cached against cold answers).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def mixed_requests(count: int, seed: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def server(make_release, tmp_path_factory):
     flags = ["--dtype", "f32", "--max-num-seqs", "4", "--prefill-chunk-size", str(CHUNK),
-             "--block-size", "16", "--kv-cache-mb", "64", "--x-raw-probabilities"]
+             "--block-size", "16", "--kv-cache-mb", "64", "--x-raw-probabilities", "--no-prefix-cache"]
     log = tmp_path_factory.mktemp("invariance") / "server.log"
     with ServerProcess(make_release(seed=21), log, *flags, threads=1) as srv:
         yield srv

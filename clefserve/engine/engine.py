@@ -20,7 +20,8 @@ import torch
 from clefserve.config import EngineConfig
 from clefserve.engine.errors import EngineClosedError, StepError
 from clefserve.engine.kv_pool import KVPool
-from clefserve.engine.memory import PoolPlan, plan_pools
+from clefserve.engine.memory import MIB, PoolPlan, plan_pools
+from clefserve.engine.prefix_cache import PrefixCache
 from clefserve.engine.runner import ModelRunner
 from clefserve.engine.scheduler import Scheduler, StepPlan
 from clefserve.engine.sequence import FinishedSequence, Sequence, Status
@@ -56,9 +57,18 @@ class Engine:
                 model.dtype, model.device,
             )
         self.runner = ModelRunner(model, self.kv, self.states)
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache:
+            self.prefix_cache = PrefixCache(
+                self.kv, self.states, round(config.prefix_cache_mb * MIB), mc.hidden_size, model.dtype
+            )
+            log.info("prefix cache: %.0f MiB budget, GDN snapshots of %.2f MiB at segment and prompt ends",
+                     config.prefix_cache_mb, self.prefix_cache.state_bytes / MIB)
+        else:
+            log.info("prefix cache: off (--no-prefix-cache)")
         self.scheduler = Scheduler(
             self.kv.allocator, self.states.allocator, config.block_size, config.max_num_seqs,
-            config.prefill_chunk_size, config.max_queue, config.max_length,
+            config.prefill_chunk_size, config.max_queue, config.max_length, self.prefix_cache,
         )
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -77,10 +87,16 @@ class Engine:
     # ---- client side (any thread) ----
 
     def submit(
-        self, token_ids: Iterable[int] | torch.Tensor, payload: Any = None, keep_hidden: bool = True
+        self,
+        token_ids: Iterable[int] | torch.Tensor,
+        payload: Any = None,
+        keep_hidden: bool = True,
+        snapshot_points: Iterable[int] | None = None,
     ) -> Future:
         """Queue one sequence; the future resolves to ``finish``'s value for it.
 
+        ``snapshot_points``: positions worth a prefix-cache resume point (a format's segment ends); the
+        end of the prompt always is one. Points outside ``1..len`` are ignored.
         Raises :class:`RequestError` at once for a record that can never run (413 ``tokens_exceeded``) or a
         full queue (429 ``overloaded``, :class:`~clefserve.engine.errors.QueueFullError`).
         """
@@ -92,7 +108,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise RequestError(f"token ids must lie in [0, {vocab})", 422, "invalid_request")
-        seq = Sequence(ids, payload, keep_hidden)
+        n = int(ids.numel())
+        points = {int(p) for p in (snapshot_points or ())} | {n}
+        seq = Sequence(ids, payload, keep_hidden, tuple(sorted(p for p in points if 0 < p <= n)))
         with self._lock:
             if self.closed:
                 raise EngineClosedError("the engine is shut down")
@@ -131,7 +149,30 @@ class Engine:
                 "cancelled": c["cancelled_waiting"] + c["cancelled_running"],
                 "tokens_per_second": self.scheduler.tokens_per_second,
                 **c,
+                **self._prefix_stats(),
             }
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        cache = self.prefix_cache
+        stats = cache.stats() if cache is not None else {
+            "prefix_hit_tokens": 0, "prefix_hits": 0, "prefix_evictions": 0, "prefix_cache_bytes": 0,
+            "prefix_cache_budget_bytes": 0, "prefix_entries": 0, "prefix_blocks": 0,
+            "prefix_blocks_cache_only": 0, "prefix_cached_tokens": 0,
+        }
+        return {"prefix_cache": cache is not None, "prefix_computed_tokens": self._counts["prefill_tokens"],
+                **stats}
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix (between two steps); sequences in flight keep what they hold."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+
+        def clear() -> None:
+            with self._lock:
+                cache.clear()
+
+        self._on_worker(clear)
 
     def recent_steps(self) -> list[tuple[tuple[int, int], ...]]:
         """The last steps' ``((seq_id, tokens), ...)``, oldest first (debugging, tests)."""
@@ -155,6 +196,7 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         with self._lock:
+            self._reap()  # running sequences cancelled meanwhile count as cancelled, not failed
             left = [*self.scheduler.waiting, *self.scheduler.running]
             for seq in left:
                 self.scheduler.remove(seq, Status.FAILED)
@@ -218,10 +260,15 @@ class Engine:
             self._run_calls()
             self._reap()
             plan = self.scheduler.schedule()
+        admitted_at = time.perf_counter()
+        for seq in plan.admitted:
+            seq.admitted_at = admitted_at
         self._prepare(plan)
+        if plan.finished:
+            self._finish_cached(plan.finished)
         if plan.chunks:
             self._step(plan)
-        elif self.scheduler.has_work():
+        elif not plan.finished and self.scheduler.has_work():
             with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
                 self._wake.wait(0.01)
 
@@ -251,6 +298,19 @@ class Engine:
             self._fail(failed)
             dropped = {id(seq) for seq, _ in failed}
             plan.chunks = [(s, n) for s, n in plan.chunks if id(s) not in dropped]
+            plan.finished = [s for s in plan.finished if id(s) not in dropped]
+
+    def _finish_cached(self, seqs: list[Sequence]) -> None:
+        """Sequences whose whole prompt came from the prefix cache: nothing to run, finish them now."""
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.finished_at = now
+        live = [seq for seq in seqs if seq.future.set_running_or_notify_cancel()]
+        if len(live) < len(seqs):
+            with self._lock:
+                self._counts["cancelled_running"] += len(seqs) - len(live)
+        if live:
+            self._finish(live)
 
     def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
@@ -261,10 +321,13 @@ class Engine:
             log.exception("engine step failed (%d sequences, %d tokens)", len(plan.chunks), plan.num_tokens)
             self._fail([(seq, exc) for seq, _ in plan.chunks])
             return
-        elapsed = time.perf_counter() - started
+        ended = time.perf_counter()
+        elapsed = ended - started
         with self._lock:
             done = self.scheduler.complete(plan)
             self._account(plan, elapsed)
+        for seq in done:
+            seq.finished_at = ended
         live = [seq for seq in done if seq.future.set_running_or_notify_cancel()]
         if len(live) < len(done):
             with self._lock:
@@ -284,7 +347,12 @@ class Engine:
         self.scheduler.tokens_per_second = rate if tps == 0 else 0.8 * tps + 0.2 * rate
 
     def _finish(self, seqs: list[Sequence]) -> None:
-        finished = [FinishedSequence(s.seq_id, s.payload, s.token_ids, s.hidden) for s in seqs]
+        finished = [
+            FinishedSequence(s.seq_id, s.payload, s.token_ids, s.hidden, s.submitted_at,
+                             s.admitted_at or s.submitted_at, s.finished_at or time.perf_counter(),
+                             s.num_cached)
+            for s in seqs
+        ]
         for seq in seqs:
             seq.hidden = None
         try:

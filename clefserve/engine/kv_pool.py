@@ -2,8 +2,8 @@
 
 Every attention layer has K and V tensors ``[num_blocks, block_size, kv_heads, head_dim]`` in the model
 dtype. A sequence owns a list of block ids (its block table); token ``p`` of it lives in block
-``table[p // block_size]`` at offset ``p % block_size``. Blocks carry reference counts so that a later
-prefix cache can share one block between sequences.
+``table[p // block_size]`` at offset ``p % block_size``. Blocks carry reference counts so that the prefix
+cache and the sequences resumed from it share blocks; a block is free again when its last owner lets go.
 """
 
 from __future__ import annotations
@@ -20,10 +20,20 @@ class BlockAllocator:
         self._is_free = bytearray(b"\x01") * num_blocks
         self._num_free = num_blocks
         self._refs = [0] * num_blocks
+        self._cached = bytearray(num_blocks)  # the prefix cache is one of the block's owners
+        self._cache_only = 0  # blocks whose only owner is the prefix cache (reclaimable by evicting)
 
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    @property
+    def num_cache_only(self) -> int:
+        """Blocks held by the prefix cache and by no sequence: free once the cache evicts them."""
+        return self._cache_only
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def free_ids(self) -> list[int]:
         return [i for i, free in enumerate(self._is_free) if free]
@@ -53,6 +63,8 @@ class BlockAllocator:
         """One more owner of an allocated block (prefix sharing)."""
         if self._refs[block] <= 0:
             raise RuntimeError(f"block {block} is not allocated")
+        if self._cached[block] and self._refs[block] == 1:
+            self._cache_only -= 1
         self._refs[block] += 1
 
     def free(self, blocks: list[int]) -> None:
@@ -63,6 +75,24 @@ class BlockAllocator:
             if self._refs[b] == 0:
                 self._is_free[b] = 1
                 self._num_free += 1
+            elif self._refs[b] == 1 and self._cached[b]:
+                self._cache_only += 1
+
+    def cache_hold(self, block: int) -> None:
+        """The prefix cache becomes an owner of an allocated block (at most one cache reference)."""
+        if self._cached[block]:
+            raise RuntimeError(f"block {block} is already held by the prefix cache")
+        self.share(block)
+        self._cached[block] = 1
+
+    def cache_release(self, block: int) -> None:
+        """The prefix cache lets go of its reference."""
+        if not self._cached[block]:
+            raise RuntimeError(f"block {block} is not held by the prefix cache")
+        if self._refs[block] == 1:
+            self._cache_only -= 1
+        self._cached[block] = 0
+        self.free([block])
 
 
 class KVPool:

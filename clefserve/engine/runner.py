@@ -21,7 +21,8 @@ class ModelRunner:
         self.device = model.device
 
     def prepare(self, seq: Sequence) -> None:
-        """Per-sequence device tensors, made once at admission."""
+        """Per-sequence device tensors, made once at admission; a sequence resumed from the prefix cache
+        gets the cached hidden rows, GDN state and the K/V of its cut block copied in."""
         seq.block_table_tensor = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
         table = seq.block_table
         adjacent = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
@@ -29,6 +30,25 @@ class ModelRunner:
         if seq.keep_hidden:
             shape = (seq.num_prompt_tokens, self.model.config.hidden_size)
             seq.hidden = torch.empty(shape, dtype=self.model.dtype, device=self.device)
+        resume = seq.prefix.resume if seq.prefix is not None else None
+        if resume is None:
+            return
+        seq.prefix.resume = None  # the copies below are all the sequence needs from the cache
+        if seq.hidden is not None and resume.hidden is not None:
+            start = 0
+            for rows in resume.hidden:
+                seq.hidden[start : start + rows.shape[0]].copy_(rows)
+                start += rows.shape[0]
+            assert start == resume.position
+        if resume.conv is not None and resume.recurrent is not None:
+            assert seq.slot is not None
+            self.states.conv[seq.slot].copy_(resume.conv)
+            self.states.recurrent[seq.slot].copy_(resume.recurrent)
+        cut, tail = divmod(resume.position, self.kv.block_size)
+        if tail and resume.tail_k is not None and resume.tail_v is not None:
+            block = seq.block_table[cut]  # a fresh block: the sequence writes its positions >= P into it
+            self.kv.k[:, block, :tail].copy_(resume.tail_k)
+            self.kv.v[:, block, :tail].copy_(resume.tail_v)
 
     @torch.inference_mode()
     def run(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:

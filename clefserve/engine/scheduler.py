@@ -5,27 +5,39 @@
 - At most ``max_num_seqs`` running. All blocks are reserved at admission, so prefill never preempts.
 - Each step spends ``token_budget`` tokens over the running sequences in admission order: a long record runs
   as several chunks, and the budget its last chunk leaves goes to the sequences beside it.
+- With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
+  blocks; cache-only blocks count as room, evicted when needed); a chunk never runs past the sequence's
+  next snapshot point, and the snapshot is taken right after the step that reaches it. A waiting sequence
+  whose prefix a running one is about to snapshot is *parked* until then (and the queue moves on past it),
+  so a shared prefix is computed once. A sequence whose whole prompt is cached finishes at admission.
 
 Not thread-safe: the engine calls it under its lock.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from clefserve.engine.errors import QueueFullError, tokens_exceeded
 from clefserve.engine.kv_pool import BlockAllocator
+from clefserve.engine.prefix_cache import PrefixCache
 from clefserve.engine.sequence import Sequence, Status
 from clefserve.engine.state_pool import SlotAllocator
 from clefserve.errors import RequestError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class StepPlan:
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # whole prompt cached: done at admission
 
     @property
     def num_tokens(self) -> int:
@@ -42,10 +54,12 @@ class Scheduler:
         token_budget: int,
         max_queue: int,
         max_length: int,
+        cache: PrefixCache | None = None,
     ) -> None:
         if token_budget < 1:
             raise ValueError("--prefill-chunk-size must be at least 1")
         self.blocks, self.slots, self.block_size = blocks, slots, block_size
+        self.cache = cache
         self.max_num_seqs, self.token_budget, self.max_queue = max_num_seqs, token_budget, max_queue
         self.max_length = max_length
         self.waiting: deque[Sequence] = deque()
@@ -92,17 +106,15 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            need = self.blocks_for(seq.num_tokens)
-            if self.slots.num_free == 0 or not self.blocks.can_allocate(need):
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if self.cache is not None and self._parked(seq):
+                i += 1  # waits for a running sequence to snapshot their shared prefix; others go on
+                continue
+            if not self._admit(seq, plan):
                 break  # the head waits for room; nobody overtakes it
-            self.waiting.popleft()
-            seq.block_table = self.blocks.allocate(need)
-            seq.slot = self.slots.allocate()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            plan.admitted.append(seq)
+            del self.waiting[i]
         budget = self.token_budget
         for seq in self.running:
             if budget == 0:
@@ -110,23 +122,107 @@ class Scheduler:
             if seq.cancel_requested:
                 continue
             n = min(seq.num_pending, budget)
+            if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
+                n = min(n, seq.prefix.points[0] - seq.num_computed)
             if n > 0:
                 plan.chunks.append((seq, n))
                 budget -= n
         return plan
 
+    def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Reserve what ``seq`` needs (resuming from the cache when it can); False when there is no room."""
+        cache = self.cache
+        hit = cache.match(seq) if cache is not None else None
+        if cache is not None and hit is not None and hit.position == seq.num_tokens:
+            seq.prefix.resume = cache.acquire(hit, whole=True, keep_hidden=seq.keep_hidden)
+            seq.num_computed = seq.num_cached = seq.num_tokens
+            seq.status = Status.FINISHED
+            plan.admitted.append(seq)
+            plan.finished.append(seq)
+            return True
+        shared = len(hit.path) if hit is not None else 0
+        fresh = self.blocks_for(seq.num_tokens) - shared
+        if self.slots.num_free == 0:
+            return False
+        if not self.blocks.can_allocate(fresh):
+            if cache is None:
+                return False
+            reclaimable = cache.reclaimable_blocks - (cache.path_cache_only(hit) if hit is not None else 0)
+            if self.blocks.num_free + reclaimable < fresh:
+                return False
+        resume = None
+        if cache is not None and hit is not None:
+            resume = cache.acquire(hit, whole=False, keep_hidden=seq.keep_hidden)  # shares the blocks first
+        if cache is not None:
+            cache.reclaim(fresh)
+        seq.block_table = (resume.blocks if resume is not None else []) + self.blocks.allocate(fresh)
+        seq.slot = self.slots.allocate()
+        seq.status = Status.RUNNING
+        if cache is not None:
+            info = cache.track(seq)
+            info.resume = resume
+            seq.num_computed = seq.num_cached = resume.position if resume is not None else 0
+            info.points = [p for p in seq.snapshot_points
+                           if seq.num_computed < p <= seq.num_tokens and not cache.has_point(seq, p)]
+        self.running.append(seq)
+        plan.admitted.append(seq)
+        return True
+
+    def _parked(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should wait for a running sequence that is about to snapshot a longer prefix of
+        it than the cache holds now (then it resumes from there instead of computing the prefix too)."""
+        assert self.cache is not None
+        info = self.cache.track(seq)
+        if info.parked_on is not None:
+            other, point = info.parked_on
+            if other.status is Status.RUNNING and not other.cancel_requested and other.num_computed < point:
+                return True
+            info.parked_on = None
+        if not self.running:
+            return False
+        hit = self.cache.match(seq)
+        have = hit.position if hit is not None else 0
+        best: tuple[Sequence, int] | None = None
+        for other in self.running:
+            points = other.prefix.points if other.prefix is not None else []
+            if other.cancel_requested or not points or points[-1] <= have:
+                continue
+            if seq.keep_hidden and not other.keep_hidden:
+                continue
+            common = _common_prefix(seq.token_ids, other.token_ids)
+            for p in points:
+                if have < p <= common and p <= seq.num_tokens and (best is None or p > best[1]):
+                    best = (other, p)
+        info.parked_on = best
+        return best is not None
+
     def complete(self, plan: StepPlan) -> list[Sequence]:
-        """Advance the step's sequences; release and return those whose last token has run."""
+        """Advance the step's sequences, snapshot those at a snapshot point; release and return those
+        whose last token has run."""
         done = []
         for seq, n in plan.chunks:
             if seq.status is not Status.RUNNING:
                 continue
             seq.num_computed += n
+            if self.cache is not None and seq.prefix is not None:
+                points = seq.prefix.points
+                while points and points[0] <= seq.num_computed:
+                    if points.pop(0) == seq.num_computed:
+                        self._snapshot(seq)
             if seq.is_done:
                 seq.status = Status.FINISHED
                 self._release(seq)
                 done.append(seq)
+        if self.cache is not None:
+            self.cache.enforce_budget()
         return done
+
+    def _snapshot(self, seq: Sequence) -> None:
+        assert self.cache is not None
+        try:
+            self.cache.insert(seq, seq.num_computed)
+        except Exception:  # the cache is an optimisation: the sequence goes on without the entry
+            log.exception("prefix cache: no snapshot of sequence %d at %d", seq.seq_id, seq.num_computed)
 
     def remove(self, seq: Sequence, status: Status) -> bool:
         """Take a waiting or running sequence out (cancel, failure) and free what it holds."""
@@ -148,3 +244,14 @@ class Scheduler:
         if seq.slot is not None:
             self.slots.free(seq.slot)
             seq.slot = None
+        if self.cache is not None:
+            if seq.prefix is not None:
+                seq.prefix.resume = None
+            self.cache.enforce_budget()  # blocks only the cache holds now count against its budget
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of two token tensors."""
+    m = min(a.shape[0], b.shape[0])
+    differ = (a[:m] != b[:m]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else m

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,13 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, token_ids: torch.Tensor, payload: Any = None, keep_hidden: bool = True) -> None:
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        payload: Any = None,
+        keep_hidden: bool = True,
+        snapshot_points: tuple[int, ...] = (),
+    ) -> None:
         self.seq_id = next(_ids)
         # a CPU buffer with room to grow; only the first ``num_tokens`` entries are the sequence
         self._ids = token_ids.to(dtype=torch.long, device="cpu").contiguous()
@@ -45,6 +52,15 @@ class Sequence:
         self.first_block: int | None = None  # set when the block table is one run of adjacent blocks
         self.slot: int | None = None
         self.hidden: torch.Tensor | None = None  # [num_prompt_tokens, H] when keep_hidden
+        # time.perf_counter() stamps for latency metrics: queued, admitted (first step), last token run
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.finished_at: float | None = None
+        # prefix cache: positions where the GDN state is worth a snapshot (ascending), how many leading
+        # tokens came from the cache, and the cache's own bookkeeping (clefserve.engine.prefix_cache)
+        self.snapshot_points = snapshot_points
+        self.num_cached = 0
+        self.prefix: Any = None
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -83,3 +99,8 @@ class FinishedSequence:
     payload: Any
     token_ids: torch.Tensor  # [T] int64, CPU
     hidden: torch.Tensor | None  # final-norm rows [T, H] on the model's device; None without keep_hidden
+    # time.perf_counter() stamps: submitted, admitted (resources reserved, first step), last token run
+    submitted_at: float = 0.0
+    admitted_at: float = 0.0
+    finished_at: float = 0.0
+    cached_tokens: int = 0  # leading tokens served from the prefix cache instead of computed

@@ -57,12 +57,17 @@ def answer_question(
 
 
 def build_response(
-    request: dict[str, Any], record: EncodedRecord, logits: Sequence[torch.Tensor], raw: bool = False
+    request: dict[str, Any],
+    record: EncodedRecord,
+    logits: Sequence[torch.Tensor],
+    raw: bool = False,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The response body for ``request``, whose encoding is ``record`` and head output ``logits``.
 
     ``raw`` adds ``x_probabilities`` (unrounded float32 probabilities by option id) to every answer, an
-    extension field for audits and exact comparisons (``--x-raw-probabilities``).
+    extension field for audits and exact comparisons (``--x-raw-probabilities``). ``cached_tokens`` (the
+    record's leading tokens served from the prefix cache) adds ``usage.x_cached_tokens``.
     """
     questions = request["questions"]
     probs = probabilities(logits)
@@ -72,8 +77,7 @@ def build_response(
         if raw:
             answer["x_probabilities"] = dict(zip(q.option_ids, q_probs, strict=True))
         answers[q.question_id] = answer
-    return {
-        "model": request["model"],
-        "answers": answers,
-        "usage": {"input_tokens": len(record.input_ids), "output_tokens": 0},
-    }
+    usage: dict[str, int] = {"input_tokens": len(record.input_ids), "output_tokens": 0}
+    if cached_tokens is not None:
+        usage["x_cached_tokens"] = cached_tokens
+    return {"model": request["model"], "answers": answers, "usage": usage}

@@ -42,8 +42,9 @@ class ClefDecider:
         record: EncodedRecord,
         logits: Sequence[torch.Tensor],
         raw: bool = False,
+        cached_tokens: int | None = None,
     ) -> dict[str, Any]:
-        return build_response(request, record, logits, raw)
+        return build_response(request, record, logits, raw, cached_tokens)
 
     @torch.inference_mode()
     def decide_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:

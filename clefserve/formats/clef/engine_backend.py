@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +21,9 @@ from clefserve.engine import Engine, EngineClosedError, FinishedSequence
 from clefserve.errors import RequestError
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import EncodedRecord
+
+if TYPE_CHECKING:
+    from clefserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class EngineBackend:
         self.decider: ClefDecider | None = None
         self.engine: Engine | None = None
         self._reason = "not started"
+        self._metrics: Metrics | None = None
         if decider is not None:
             self._attach(decider)
 
@@ -64,6 +69,16 @@ class EngineBackend:
         self.engine = Engine(decider.backbone, self.config, self._finish, self._budget)
         self.decider = decider
         self._reason = "ready"
+
+    # ---- observability (GET /metrics) ----
+
+    def bind_metrics(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def stats(self) -> dict[str, Any] | None:
+        """The engine's counters and pool gauges; None until the model is loaded."""
+        engine = self.engine
+        return engine.stats() if engine is not None else None
 
     # ---- DecisionBackend ----
 
@@ -91,9 +106,15 @@ class EngineBackend:
         log.info("model %s is ready", self._name)
 
     async def stop(self) -> None:
+        """After the server has drained (uvicorn waits up to --shutdown-grace-s for in-flight requests):
+        stop the engine; sequences still in it fail with EngineClosedError."""
         if self.engine is not None:
+            self._reason = "shutting down"
+            stats = self.engine.stats()
+            log.info("stopping the engine (%d running, %d waiting)", stats["running"], stats["waiting"])
             await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
             self._reason = "stopped"
+            log.info("engine stopped")
 
     async def decide(
         self, body: dict[str, Any], request_id: str, is_disconnected: Callable[[], Awaitable[bool]],
@@ -103,7 +124,10 @@ class EngineBackend:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
         record = await asyncio.to_thread(decider.encode, body)
         try:
-            future = engine.submit(record.input_ids, payload=(body, record))
+            # prefix-cache resume points: after the fixed prefix, after the state (the same state asked
+            # other questions), and the whole record (an identical request)
+            points = (record.prefix_end, record.state_end, len(record.input_ids))
+            future = engine.submit(record.input_ids, payload=(body, record), snapshot_points=points)
         except EngineClosedError as exc:
             raise RequestError("the server is shutting down", status=503, error_type="unavailable") from exc
         waiting = asyncio.wrap_future(future)  # cancelling it (task cancelled) cancels the sequence too
@@ -139,9 +163,15 @@ class EngineBackend:
                 continue
             body, record = f.payload
             try:
-                results.append(decider.answer(body, record, record_logits, self.config.raw_probabilities))
+                results.append(decider.answer(body, record, record_logits, self.config.raw_probabilities,
+                                              f.cached_tokens))
             except Exception as exc:
                 results.append(exc)
+        if self._metrics is not None:
+            answered = time.perf_counter()
+            for f, result in zip(finished, results, strict=True):
+                if not isinstance(result, BaseException):
+                    self._metrics.observe_decision(f.admitted_at - f.submitted_at, answered - f.admitted_at)
         return results
 
     @staticmethod
