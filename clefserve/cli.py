@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,8 +41,16 @@ Load a Clef release folder and serve the System One API over HTTP. /health answe
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    """One JSON object per line on stderr (ts, level, logger, msg, request_id, extra fields)."""
+    from clefserve.server.logging import configure_json_logging
+
+    configure_json_logging(level)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # uvicorn handles SIGTERM while it serves (drain, then lifespan shutdown) and re-raises it to the
+    # handler that was there before once it is done: this one, so the process exits 0, not -15.
+    raise SystemExit(0)
 
 
 def _release_date(folder: Path) -> dt.date:
@@ -82,8 +91,19 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     app = create_app(backend, config)
     log.info("clef-serve %s serving %s on http://%s:%d (auth %s)", __version__, name, config.host,
              config.port, "on" if config.api_key else "off")
-    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
-                log_level=config.log_level)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        # On SIGTERM uvicorn closes the listening socket, lets in-flight requests finish for up to
+        # --shutdown-grace-s (the engine keeps running them), cancels what is left, then runs the
+        # lifespan shutdown, which stops the engine (EngineBackend.stop).
+        uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                    log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_grace_s)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log.info("clef-serve stopped")
     return 0
 
 

@@ -37,6 +37,7 @@ class EngineConfig:
     max_body_bytes: int = 1 << 20
     raw_probabilities: bool = False
     log_level: str = "info"
+    shutdown_grace_s: float = 30.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,7 +118,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--x-raw-probabilities", dest="raw_probabilities", action="store_true",
                         help="add x_probabilities (unrounded fp32 probabilities) to each answer, for audits")
-    server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                        help="JSON log lines on stderr at this level and above (default: %(default)s)")
+    server.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=d.shutdown_grace_s,
+        metavar="S",
+        help="on SIGTERM: stop accepting, let in-flight requests finish for up to S seconds, then stop the "
+        "engine and exit 0 (keep Kubernetes' terminationGracePeriodSeconds above it) (default: %(default)s)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--max-num-seqs",

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from clefserve import __version__
@@ -20,7 +20,9 @@ from clefserve.errors import RequestError
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend
 from clefserve.server.body import decode_body, parse_json, read_body
+from clefserve.server.draining import CancelledRequestGuard
 from clefserve.server.errors import error_detail, from_request_error, validation_failed
+from clefserve.server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from clefserve.server.protocol import (
     ErrorResponse,
     HealthResponse,
@@ -79,6 +81,19 @@ async def _read_request(request: Request, config: EngineConfig) -> Any:
     return parse_json(raw)
 
 
+def _metrics_for(backend: DecisionBackend) -> Metrics:
+    """Metrics reading the backend's optional ``stats()``; handed to its optional ``bind_metrics()``."""
+
+    def ready() -> bool:
+        return bool(backend.ready()[0])
+
+    metrics = Metrics(getattr(backend, "stats", None), ready)
+    bind = getattr(backend, "bind_metrics", None)
+    if bind is not None:
+        bind(metrics)
+    return metrics
+
+
 def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -93,7 +108,11 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
                 await stop()
 
     app = FastAPI(title="clef-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.add_middleware(RequestIdMiddleware)
+    metrics = _metrics_for(backend)
+    app.state.metrics = metrics
+    app.add_middleware(CancelledRequestGuard)  # innermost: metrics and the access log see its 503
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every log line has the id
     guard = [Depends(bearer_guard(config.api_key))] if config.api_key else []
 
     @app.post(
@@ -115,10 +134,12 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
             result = await backend.decide(body, request_id, request.is_disconnected)
             return JSONResponse(result)
         except RequestError as exc:
+            metrics.count_error(exc.error_type)
             raise from_request_error(exc) from None
         except HTTPException:
             raise
         except Exception:
+            metrics.count_error("internal")
             log.exception("decision failed, request_id=%s", request_id)
             raise HTTPException(500, error_detail(
                 f"internal server error; the server log has the details (request id {request_id})",
@@ -143,6 +164,11 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
             ok, reason = False, f"readiness check failed: {type(exc).__name__}: {exc}"
         return JSONResponse({"status": "ready" if ok else "not_ready", "reason": reason},
                             status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format; open like /health (no key), so scrapers need no secret."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -29,3 +29,6 @@ class DecisionBackend(Protocol):
 
 # Optional lifecycle: ``create_app`` awaits ``backend.start()`` when the server starts and
 # ``backend.stop()`` when it stops, if the backend defines them (e.g. to load weights in the background).
+# Optional observability: ``backend.stats()`` -> the engine's counters and pool gauges as a dict (or None
+# before the model is loaded), read by ``GET /metrics`` at scrape time; ``backend.bind_metrics(metrics)``
+# receives the app's :class:`~clefserve.server.metrics.Metrics` to observe per-decision latencies.

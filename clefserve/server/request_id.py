@@ -11,12 +11,13 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clefserve.server.limits import MAX_REQUEST_ID_LENGTH
+from clefserve.server.logging import request_id_var
 
 log = logging.getLogger("clefserve.access")
 
 _VALID_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_LENGTH}}}")
-# Probes hit these every few seconds; their lines are logged at DEBUG only.
-QUIET_PATHS = frozenset({"/health", "/ready"})
+# Probes and scrapers hit these every few seconds; their lines are logged at DEBUG only.
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # x-request-id is the common name; the TypeSafe SDK reads x-typesafe-request-id.
 RESPONSE_HEADERS = ("x-request-id", "x-typesafe-request-id")
 
@@ -33,7 +34,8 @@ def request_id_of(scope: Scope) -> str:
 
 
 class RequestIdMiddleware:
-    """Puts the id in ``request.state.request_id`` and in the response headers, and logs the request."""
+    """Puts the id in ``request.state.request_id``, in the logging context and in the response headers, and
+    writes one access log line per request (method, path, status, duration; never the body)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -56,9 +58,17 @@ class RequestIdMiddleware:
                     headers[name] = request_id
             await send(message)
 
+        token = request_id_var.set(request_id)
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            status = status or 500  # Starlette's outermost middleware answers 500
+            raise
         finally:
+            duration_ms = round((time.perf_counter() - started) * 1000, 1)
             level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
-            log.log(level, "%s %s %s %.1fms request_id=%s", scope["method"], scope["path"], status or "-",
-                    (time.perf_counter() - started) * 1000, request_id)
+            # status 0: no response was started (the client left, or the task was cancelled)
+            log.log(level, "%s %s %s %.1fms", scope["method"], scope["path"], status or "-", duration_ms,
+                    extra={"method": scope["method"], "path": scope["path"], "status": status,
+                           "duration_ms": duration_ms, "request_id": request_id})
+            request_id_var.reset(token)

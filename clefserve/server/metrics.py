@@ -1,0 +1,194 @@
+"""Prometheus metrics, served by ``GET /metrics`` (open, no auth).
+
+Each app has its own registry (tests build many apps in one process). HTTP metrics are counted by
+:class:`MetricsMiddleware`; per-decision latency (queue wait, compute) is observed by the backend when a
+sequence finishes; the engine's gauges and counters are read from ``backend.stats()`` at scrape time by
+:class:`EngineCollector`, so nothing runs in the background.
+
+Names (all prefixed ``clef_``):
+
+- ``clef_http_requests_total{method,route,status}``: responses by route template ("other" when no route
+  matched) and status.
+- ``clef_http_request_duration_seconds{route}``: whole request, body intake to response.
+- ``clef_http_requests_in_flight``: requests being served now.
+- ``clef_request_queue_wait_seconds``: submit to admission into the engine (waiting for a slot and blocks).
+- ``clef_request_compute_seconds``: admission to answer (backbone steps, shared with other sequences, + head).
+- ``clef_request_errors_total{error_type}``: refused or cut-short decisions by error type: ``overloaded``
+  (429, queue full), ``cancelled`` (client went away), ``tokens_exceeded``, ``unavailable``, ...
+- engine (at scrape time): ``clef_engine_running_sequences``, ``clef_engine_waiting_sequences`` (queue
+  depth), ``clef_engine_kv_blocks_used`` (held by sequences in flight) / ``_cached`` (held only by the prefix
+  cache, evictable) / ``_total``, ``clef_engine_gdn_slots_used`` / ``_total``,
+  ``clef_engine_kv_pool_bytes``, ``clef_engine_gdn_pool_bytes``, ``clef_engine_tokens_per_second``,
+  ``clef_engine_prefill_tokens_total``, ``clef_engine_steps_total``, ``clef_engine_sequences_total{outcome}``
+  (finished, cancelled, failed, rejected); with the prefix cache on ``clef_engine_prefix_cache_bytes`` /
+  ``_budget_bytes``, ``clef_engine_prefix_cache_hits_total``, ``_hit_tokens_total``, ``_evictions_total``;
+  ``clef_model_ready`` (1 once the model serves).
+- ``process_*``: the process collector (resident memory, CPU seconds, open fds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Seconds: probes answer in a millisecond, a long record on a CPU can take a minute.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 120.0)
+UNMATCHED_ROUTE = "other"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # else "other"
+
+StatsFn = Callable[[], dict[str, Any] | None]
+
+
+class Metrics:
+    def __init__(self, stats: StatsFn | None = None, ready: Callable[[], bool] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("clef_http_requests", "HTTP responses by route template and status",
+                                ["method", "route", "status"], registry=r)
+        self.duration = Histogram("clef_http_request_duration_seconds",
+                                  "Whole HTTP request, body intake to response", ["route"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("clef_http_requests_in_flight", "HTTP requests being served", registry=r)
+        self.queue_wait = Histogram("clef_request_queue_wait_seconds",
+                                    "Decision: submitted to the engine until admitted (slot and KV blocks)",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.compute = Histogram("clef_request_compute_seconds",
+                                 "Decision: admitted until answered (backbone steps and head)",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.errors = Counter("clef_request_errors", "Decisions refused or cut short, by error type",
+                              ["error_type"], registry=r)
+        ProcessCollector(registry=r)
+        r.register(EngineCollector(stats, ready))
+
+    def observe_decision(self, queue_wait_s: float, compute_s: float) -> None:
+        """Thread-safe: called on the engine's thread when a decision is answered."""
+        self.queue_wait.observe(max(0.0, queue_wait_s))
+        self.compute.observe(max(0.0, compute_s))
+
+    def count_error(self, error_type: str) -> None:
+        self.errors.labels(error_type).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """The engine's pools and counters, read from ``stats()`` (one short lock) when scraped."""
+
+    def __init__(self, stats: StatsFn | None, ready: Callable[[], bool] | None) -> None:
+        self._stats = stats
+        self._ready = ready
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: nothing to check against other collectors at registration
+
+    def collect(self) -> Iterator[Metric]:
+        if self._ready is not None:
+            try:
+                ready = bool(self._ready())
+            except Exception:
+                ready = False
+            yield GaugeMetricFamily("clef_model_ready", "1 when the model is loaded and serving",
+                                    value=int(ready))
+        try:
+            s = self._stats() if self._stats is not None else None
+        except Exception:  # a scrape must not fail because the engine is gone
+            log.exception("reading engine stats failed")
+            s = None
+        if not s:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield gauge("clef_engine_running_sequences", "Sequences admitted and running", s["running"])
+        yield gauge("clef_engine_waiting_sequences", "Sequences queued for admission (queue depth)",
+                    s["waiting"])
+        cache_only = s.get("prefix_blocks_cache_only", 0)
+        yield gauge("clef_engine_kv_blocks_used", "Paged KV blocks held by sequences in flight",
+                    s["kv_blocks_total"] - s["kv_blocks_free"] - cache_only)
+        yield gauge("clef_engine_kv_blocks_cached", "Paged KV blocks held only by the prefix cache "
+                    "(evictable)", cache_only)
+        yield gauge("clef_engine_kv_blocks_total", "Paged KV blocks in the pool", s["kv_blocks_total"])
+        yield gauge("clef_engine_gdn_slots_used", "GDN state slots held by sequences",
+                    s["gdn_slots_total"] - s["gdn_slots_free"])
+        yield gauge("clef_engine_gdn_slots_total", "GDN state slots in the pool", s["gdn_slots_total"])
+        yield gauge("clef_engine_kv_pool_bytes", "Bytes of the paged KV pool", s["kv_bytes"])
+        yield gauge("clef_engine_gdn_pool_bytes", "Bytes of the GDN state pool", s["gdn_bytes"])
+        yield gauge("clef_engine_tokens_per_second", "Recent prefill throughput (moving average)",
+                    s["tokens_per_second"])
+        yield CounterMetricFamily("clef_engine_prefill_tokens", "Tokens run through the backbone",
+                                  value=s["prefill_tokens"])
+        yield CounterMetricFamily("clef_engine_steps", "Engine steps (one batched forward each)",
+                                  value=s["steps"])
+        if s.get("prefix_cache"):
+            yield gauge("clef_engine_prefix_cache_bytes", "Bytes the prefix cache holds (of its budget)",
+                        s.get("prefix_cache_bytes", 0))
+            yield gauge("clef_engine_prefix_cache_budget_bytes", "The prefix cache's byte budget",
+                        s.get("prefix_cache_budget_bytes", 0))
+            yield CounterMetricFamily("clef_engine_prefix_cache_hits",
+                                      "Sequences resumed from a cached prefix", value=s.get("prefix_hits", 0))
+            yield CounterMetricFamily("clef_engine_prefix_cache_hit_tokens",
+                                      "Prompt tokens not computed thanks to the prefix cache",
+                                      value=s.get("prefix_hit_tokens", 0))
+            yield CounterMetricFamily("clef_engine_prefix_cache_evictions", "Prefix cache entries evicted",
+                                      value=s.get("prefix_evictions", 0))
+        outcomes = CounterMetricFamily("clef_engine_sequences", "Sequences by how they left the engine",
+                                       labels=["outcome"])
+        for outcome in ("finished", "cancelled", "failed", "rejected"):
+            outcomes.add_metric([outcome], s[outcome])
+        yield outcomes
+
+
+class MetricsMiddleware:
+    """Counts every HTTP response by route template and status, and times it (pure ASGI)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        started = time.perf_counter()
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        m = self.metrics
+        m.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_with_status)
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            m.in_flight.dec()
+            route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+            # 0: no response started (the client left, or the task was cancelled at shutdown)
+            method = scope["method"] if scope["method"] in METHODS else UNMATCHED_ROUTE
+            m.requests.labels(method, route, str(status) if status else "none").inc()
+            m.duration.labels(route).observe(time.perf_counter() - started)
