@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from clefserve import __version__
 from clefserve.config import EngineConfig, add_engine_arguments
@@ -61,6 +62,69 @@ def _release_date(folder: Path) -> dt.date:
         return dt.date.today()
 
 
+def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
+    """The release with the ops it will serve with (a fault injected on purpose only through
+    ``CLEF_FAULT_ZERO_CONV_BAND``, for tests that prove the self-check catches it)."""
+    from clefserve.formats.clef.decider import ClefDecider
+    from clefserve.model.ops.faults import ops_from_environment
+
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length)
+    decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
+    return decider
+
+
+def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Exit 0 when the serving path agrees with the reference path (and with transformers when installed)."""
+    from clefserve.formats.clef.engine_backend import EngineBackend
+
+    config = EngineConfig.from_args(args)
+    if config.weights is None or not Path(config.weights).is_dir():
+        parser.error("--w DIR is required: the release folder to verify")
+    configure_logging(config.log_level)
+    folder = Path(config.weights)
+    decider = serving_decider(folder, config, config.torch_device)
+    backend = EngineBackend(decider, config, folder.name)
+    try:
+        problems = backend.run_self_check()
+    finally:
+        assert backend.engine is not None
+        backend.engine.shutdown()
+    problems += transformers_check(folder, decider)
+    for problem in problems:
+        print(f"MISMATCH {problem}")
+    verdict = "FAILED" if problems else "passed"
+    print(f"verify {folder}: {verdict} ({decider.backbone.ops.name} ops, {config.dtype})")
+    return 1 if problems else 0
+
+
+def transformers_check(folder: Path, decider: Any) -> list[str]:
+    """Final hidden rows of the canary records against transformers' Qwen3.5, when it is installed."""
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: skipping the check against its backbone")
+        return []
+    import torch
+
+    from clefserve.formats.clef.canary import canary_requests
+
+    transformers.logging.set_verbosity_error()
+    arch = decider.backbone.config.architecture
+    model = getattr(transformers, arch).from_pretrained(folder, dtype=decider.backbone.dtype).eval()
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    tolerance = 1e-3 if decider.backbone.dtype == torch.float32 else 1e-1
+    problems = []
+    with torch.inference_mode():
+        for i, request in enumerate(canary_requests()):
+            ids = torch.tensor(decider.encode(request).input_ids)
+            ours, _ = decider.backbone.run_sequence(ids)
+            ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
+            diff = (ours.float() - ref.float()).abs().max().item()
+            if not diff <= tolerance * max(1.0, ref.float().abs().max().item()):
+                problems.append(f"canary {i}: hidden rows differ from transformers by {diff:.3g}")
+    return problems
+
+
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
@@ -81,13 +145,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     name = config.served_model_name or folder.resolve().name
 
     def load():  # runs off the event loop, after the server has started
-        from clefserve.formats.clef.decider import ClefDecider
 
         log.info("loading %s from %s (device %s, dtype %s)", name, folder, device, config.dtype)
-        return ClefDecider(folder, config.torch_dtype, device, config.max_length)
+        return serving_decider(folder, config, device)
 
     backend = EngineBackend.loading(load, config, name, release_date=_release_date(folder),
-                                    description=f"Clef decision model {name} served by clef-serve")
+                                    description=f"Clef decision model {name} served by clef-serve",
+                                    self_check=True)
     app = create_app(backend, config)
     log.info("clef-serve %s serving %s on http://%s:%d (auth %s)", __version__, name, config.host,
              config.port, "on" if config.api_key else "off")
@@ -109,7 +173,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 # Subcommand names; the first argument is taken as one of these, else "serve" is assumed.
-COMMANDS = ("serve",)
+COMMANDS = ("serve", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=formatter)
     add_engine_arguments(serve)
     serve.set_defaults(run=run_serve, command_parser=serve)
+    verify = commands.add_parser(
+        "verify", help="check the serving path against the reference path on canary records",
+        description="Run canary records through the serving path (engine: batched, chunked, prefix cache) "
+        "and the plain one-piece reference path, and against transformers' backbone when it is installed. "
+        "Exits non-zero on any mismatch: run it in CI/CD before a rollout.",
+    )
+    add_engine_arguments(verify)
+    verify.set_defaults(run=run_verify, command_parser=verify)
     return parser
 
 

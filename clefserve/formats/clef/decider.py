@@ -47,8 +47,10 @@ class ClefDecider:
         return build_response(request, record, logits, raw, cached_tokens)
 
     @torch.inference_mode()
-    def decide_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Answer each request; the backbone runs record by record, the head once over the batch."""
+    def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False) -> list[dict[str, Any]]:
+        """Answer each request; the backbone runs record by record, the head once over the batch.
+
+        ``raw`` adds unrounded ``x_probabilities`` to every answer."""
         if not requests:
             return []
         records = [self.encode(request) for request in requests]
@@ -58,6 +60,6 @@ class ClefDecider:
         ]
         logits = self.logits(hiddens, records)
         return [
-            self.answer(request, record, record_logits)
+            self.answer(request, record, record_logits, raw)
             for request, record, record_logits in zip(requests, records, logits, strict=True)
         ]

@@ -42,6 +42,7 @@ class EngineBackend:
         release_date: dt.date | None = None,
         load: Callable[[], ClefDecider] | None = None,
         memory_budget_bytes: int | None = None,
+        self_check: bool = False,
     ) -> None:
         """``decider``: ready to use; or ``decider=None`` with ``load``, called off the event loop by
         ``start()`` so the server answers /health (and /ready with 503) while the weights load."""
@@ -57,6 +58,8 @@ class EngineBackend:
         self.engine: Engine | None = None
         self._reason = "not started"
         self._metrics: Metrics | None = None
+        self._self_check = self_check
+        self._check_failure: str | None = None
         if decider is not None:
             self._attach(decider)
 
@@ -87,7 +90,8 @@ class EngineBackend:
                  "release_date": self._release_date.isoformat()}]
 
     def ready(self) -> tuple[bool, str]:
-        return self.engine is not None and not self.engine.closed, self._reason
+        ok = self.engine is not None and not self.engine.closed and self._check_failure is None
+        return ok, self._reason
 
     async def start(self) -> None:
         if self._load is not None and self.engine is None:
@@ -99,11 +103,48 @@ class EngineBackend:
         assert self._load is not None
         try:
             self._attach(self._load())
+            if self._self_check:
+                self.run_self_check()
         except Exception as exc:  # the log and /ready say why; the process stays up, not ready
             log.exception("loading the model failed")
+            self._check_failure = self._check_failure or "load failed"
             self._reason = f"loading the model failed: {type(exc).__name__}: {exc}"
             return
-        log.info("model %s is ready", self._name)
+        if self._check_failure is None:
+            log.info("model %s is ready", self._name)
+
+    def run_self_check(self) -> list[str]:
+        """Canary records through the engine (batched, chunked, prefix cache on) against the one-piece
+        reference path; on any mismatch the backend stays unready and the log holds both answers."""
+        from clefserve.formats.clef.canary import self_check
+
+        assert self.engine is not None and self.decider is not None
+        self._check_failure = "self-check running"
+        self._reason = "running the startup self-check"
+        engine, decider = self.engine, self.decider
+
+        def serve(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            futures = [self._submit(engine, body, decider.encode(body), raw=True) for body in requests]
+            return [future.result() for future in futures]
+
+        problems, report = self_check(decider, serve, decider.backbone.dtype)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            self._check_failure = problems[0]
+            self._reason = f"startup self-check failed: {problems[0]}{more}"
+            log.error("startup self-check FAILED, not serving: %s; answers: %s", "; ".join(problems), report)
+        else:
+            self._check_failure = None
+            self._reason = "ready"
+            log.info("startup self-check passed (%s ops)", decider.backbone.ops.name)
+        return problems
+
+    @staticmethod
+    def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool) -> Any:
+        # prefix-cache resume points: after the fixed prefix, after the state (the same state asked
+        # other questions), and the whole record (an identical request)
+        points = (record.prefix_end, record.state_end, len(record.input_ids))
+        return engine.submit(record.input_ids, payload=(body, record, raw), snapshot_points=points)
 
     async def stop(self) -> None:
         """After the server has drained (uvicorn waits up to --shutdown-grace-s for in-flight requests):
@@ -120,14 +161,11 @@ class EngineBackend:
         self, body: dict[str, Any], request_id: str, is_disconnected: Callable[[], Awaitable[bool]],
     ) -> dict[str, Any]:
         engine, decider = self.engine, self.decider
-        if engine is None or decider is None or engine.closed:
+        if engine is None or decider is None or engine.closed or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
         record = await asyncio.to_thread(decider.encode, body)
         try:
-            # prefix-cache resume points: after the fixed prefix, after the state (the same state asked
-            # other questions), and the whole record (an identical request)
-            points = (record.prefix_end, record.state_end, len(record.input_ids))
-            future = engine.submit(record.input_ids, payload=(body, record), snapshot_points=points)
+            future = self._submit(engine, body, record, self.config.raw_probabilities)
         except EngineClosedError as exc:
             raise RequestError("the server is shutting down", status=503, error_type="unavailable") from exc
         waiting = asyncio.wrap_future(future)  # cancelling it (task cancelled) cancels the sequence too
@@ -161,10 +199,9 @@ class EngineBackend:
             if isinstance(record_logits, Exception):
                 results.append(record_logits)
                 continue
-            body, record = f.payload
+            body, record, raw = f.payload
             try:
-                results.append(decider.answer(body, record, record_logits, self.config.raw_probabilities,
-                                              f.cached_tokens))
+                results.append(decider.answer(body, record, record_logits, raw, f.cached_tokens))
             except Exception as exc:
                 results.append(exc)
         if self._metrics is not None:

@@ -1,0 +1,78 @@
+"""The startup self-check and ``clef-serve verify`` catch a conv that zeroes the key band.
+
+The fault is injected on purpose through ``CLEF_FAULT_ZERO_CONV_BAND`` (clefserve.model.ops.faults), in a
+real process: the serving path then runs the faulty conv while the reference path runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from clefserve.testing.server_process import ROOT, ServerProcess
+
+
+def verify(folder, fault: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CLEF_FAULT_ZERO_CONV_BAND"}
+    env["OMP_NUM_THREADS"] = "1"
+    if fault:
+        env["CLEF_FAULT_ZERO_CONV_BAND"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "clefserve.cli", "verify", "--w", str(folder), "--log-level", "warning"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_verify_passes_on_a_sound_release(make_release):
+    result = verify(make_release(seed=31), fault=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "passed" in result.stdout
+
+
+@pytest.mark.parametrize("band", ["k", "v"])
+def test_verify_fails_when_a_conv_band_is_zeroed(make_release, band):
+    result = verify(make_release(seed=31), fault=band)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "MISMATCH canary" in result.stdout and "FAILED" in result.stdout
+
+
+def test_a_server_with_the_broken_conv_never_turns_ready(make_release, tmp_path):
+    log = tmp_path / "server.log"
+    server = ServerProcess(make_release(seed=31), log, env={"CLEF_FAULT_ZERO_CONV_BAND": "k"})
+    try:
+        deadline, reason = time.monotonic() + 120, ""
+        while time.monotonic() < deadline:
+            assert server.process.poll() is None, log.read_text()
+            try:
+                response = httpx.get(f"{server.url}/ready", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            assert response.status_code == 503  # never 200
+            reason = response.json().get("reason", "")
+            if "self-check failed" in reason:
+                break
+            time.sleep(0.2)
+        assert "self-check failed" in reason, log.read_text()[-3000:]
+        assert "canary" in reason
+        time.sleep(1)
+        assert httpx.get(f"{server.url}/ready", timeout=2).status_code == 503
+        assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
+        body = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
+        assert httpx.post(f"{server.url}/v1/systemone", json=body, timeout=10).status_code == 503
+        text = log.read_text()
+        assert "startup self-check FAILED" in text and "canary 0" in text
+    finally:
+        server.stop()
+
+
+def test_a_sound_server_passes_the_self_check(make_release, tmp_path):
+    log = tmp_path / "server.log"
+    with ServerProcess(make_release(seed=31), log) as server:
+        assert httpx.get(f"{server.url}/ready", timeout=2).status_code == 200
+    assert "startup self-check passed" in log.read_text()
