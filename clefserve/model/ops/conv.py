@@ -23,8 +23,8 @@ def causal_conv1d(
     if state is None:
         state = x.new_zeros(history, x.shape[1])
     window = torch.cat((state.to(x.dtype), x))  # [K-1+T, C]
-    w = weight.to(x.dtype)
-    out = window[0:steps] * w[:, 0]
+    taps = weight.to(x.dtype).t().contiguous()  # [K, C]: contiguous rows keep the multiply-adds vectorised
+    out = window[0:steps] * taps[0]
     for tap in range(1, kernel):
-        out = out + window[tap : tap + steps] * w[:, tap]
+        out.addcmul_(window[tap : tap + steps], taps[tap])
     return F.silu(out), window[window.shape[0] - history :].clone()
