@@ -63,9 +63,9 @@ def test_decide_batch_matches_reference_systemone(make_release, monkeypatch, cas
     our_logits: list = []
     original_build = decider.answer
 
-    def capture_logits(request, record, logits):
+    def capture_logits(request, record, logits, *args, **kwargs):
         our_logits.append([q.detach().float().clone() for q in logits])
-        return original_build(request, record, logits)
+        return original_build(request, record, logits, *args, **kwargs)
 
     decider.answer = capture_logits
 
