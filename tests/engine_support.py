@@ -10,6 +10,7 @@ import torch
 from clefserve.config import EngineConfig
 from clefserve.engine import FinishedSequence
 from clefserve.testing.release import ReleaseSpec
+from tests.backbone_specs import BACKBONE_SPECS
 
 L, F = "linear_attention", "full_attention"
 
@@ -27,19 +28,7 @@ ENGINE_SPECS = {
         head_dim=32,
         linear_conv_kernel_dim=3,
     ),
-    "causal-lm": ReleaseSpec(
-        head=None,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=24,
-        conditional_generation=False,
-        tie_word_embeddings=True,
-    ),
+    "causal-lm": BACKBONE_SPECS["causal-lm-tied"],
 }
 
 
