@@ -64,6 +64,26 @@ def test_sizing_by_megabytes_and_dtype(model):
     assert available_memory(torch.device("cpu")) > 0
 
 
+def test_the_prefix_cache_gets_at_most_half_of_what_the_pools_leave(model, caplog):
+    mc = model.config
+    cpu = torch.device("cpu")
+    free = 64 << 20
+    roomy = plan_pools(mc, small_config(kv_cache_mb=None, kv_fraction=0.25, prefix_cache_mb=8),
+                       torch.float32, cpu, free)
+    assert roomy.prefix_cache_bytes == 8 << 20
+    caplog.set_level(logging.WARNING, logger="clefserve.engine")
+    tight = plan_pools(mc, small_config(kv_cache_mb=None, kv_fraction=0.5, prefix_cache_mb=512),
+                       torch.float32, cpu, free)
+    left = free - tight.kv_bytes - tight.gdn_bytes
+    assert tight.prefix_cache_bytes == left // 2
+    assert any("--prefix-cache-mb 512 does not fit" in r.getMessage() for r in caplog.records)
+    off = plan_pools(mc, small_config(kv_cache_mb=None, prefix_cache=False), torch.float32, cpu, free)
+    assert off.prefix_cache_bytes == 0
+    with Engine(model, small_config(kv_cache_mb=None, kv_fraction=0.5), lambda fs: [None] * len(fs),
+                memory_budget_bytes=free) as engine:
+        assert engine.prefix_cache is not None and engine.prefix_cache.budget_bytes == left // 2
+
+
 def test_records_that_can_never_fit_are_refused_at_once(model):
     budget_blocks = 9
     _, per_block = _formula_blocks(model, 8, 0)

@@ -213,6 +213,10 @@ def test_openapi_documents_the_contract(client: TestClient) -> None:
     assert {"200", "413", "422", "500"} <= post["responses"].keys()
     score = components["ScoreQuestion"]["properties"]["criteria"]
     assert (score["minItems"], score["maxItems"]) == (2, 10)
+    # the extensions the server may add are documented too
+    assert "x_cached_tokens" in components["Usage"]["properties"]
+    for answer in ("NoulAnswer", "ChoiceAnswer", "ScoreAnswer"):
+        assert "x_probabilities" in components[answer]["properties"]
 
 
 def test_openapi_lists_bearer_auth_when_a_key_is_set(secured: TestClient) -> None:

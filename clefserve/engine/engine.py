@@ -60,10 +60,10 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
             self.prefix_cache = PrefixCache(
-                self.kv, self.states, round(config.prefix_cache_mb * MIB), mc.hidden_size, model.dtype
+                self.kv, self.states, self.pools.prefix_cache_bytes, mc.hidden_size, model.dtype
             )
             log.info("prefix cache: %.0f MiB budget, GDN snapshots of %.2f MiB at segment and prompt ends",
-                     config.prefix_cache_mb, self.prefix_cache.state_bytes / MIB)
+                     self.pools.prefix_cache_bytes / MIB, self.prefix_cache.state_bytes / MIB)
         else:
             log.info("prefix cache: off (--no-prefix-cache)")
         self.scheduler = Scheduler(

@@ -2,6 +2,8 @@
 
 KV pool bytes = ``--kv-cache-mb`` MiB when given, else ``--kv-fraction`` x the memory left (GPU: free device
 memory; CPU: MemAvailable). The GDN pool has one slot per ``--max-num-seqs`` and is sized on top of it.
+The prefix cache (GDN snapshots and hidden rows, outside the KV pool) gets ``--prefix-cache-mb``, at most
+half of what the pools leave free, so that activations keep room.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class PoolPlan:
     gdn_slots: int
     gdn_slot_bytes: int
     kv_budget_bytes: int
+    prefix_cache_bytes: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -91,11 +94,11 @@ def plan_pools(
     if config.block_size < 1 or config.max_num_seqs < 1:
         raise ValueError("--block-size and --max-num-seqs must be at least 1")
     block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
+    free = memory_budget_bytes if memory_budget_bytes is not None else available_memory(device)
     if config.kv_cache_mb is not None:
         budget = int(config.kv_cache_mb) * MIB
         source = f"--kv-cache-mb {config.kv_cache_mb}"
     else:
-        free = memory_budget_bytes if memory_budget_bytes is not None else available_memory(device)
         budget = int(config.kv_fraction * free)
         source = f"--kv-fraction {config.kv_fraction} of {free / MIB:.0f} MiB free"
     if block_bytes == 0:
@@ -108,13 +111,17 @@ def plan_pools(
             f"KV budget of {budget} B ({source}) is smaller than one block of {block_bytes} B; "
             "raise --kv-fraction / --kv-cache-mb or lower --block-size"
         )
+    slot_bytes = gdn_bytes_per_slot(model, dtype)
+    left = free - num_blocks * block_bytes - config.max_num_seqs * slot_bytes
+    prefix_bytes = prefix_cache_budget(config, left)
     plan = PoolPlan(
         block_size=config.block_size,
         num_blocks=int(num_blocks),
         kv_block_bytes=block_bytes,
         gdn_slots=config.max_num_seqs,
-        gdn_slot_bytes=gdn_bytes_per_slot(model, dtype),
+        gdn_slot_bytes=slot_bytes,
         kv_budget_bytes=budget,
+        prefix_cache_bytes=prefix_bytes,
     )
     log.info("%s [%s]", plan.describe(), source)
     if plan.kv_tokens < config.max_length:
@@ -123,3 +130,17 @@ def plan_pools(
             plan.kv_tokens, config.max_length,
         )
     return plan
+
+
+def prefix_cache_budget(config: EngineConfig, left_bytes: int) -> int:
+    """``--prefix-cache-mb`` in bytes, capped at half of ``left_bytes`` (what the pools leave free)."""
+    if not config.prefix_cache:
+        return 0
+    wanted = round(config.prefix_cache_mb * MIB)
+    cap = max(0, left_bytes // 2)
+    if wanted > cap:
+        log.warning("--prefix-cache-mb %s does not fit next to the pools: the prefix cache gets %.1f MiB, "
+                    "half of the %.0f MiB they leave free", config.prefix_cache_mb, cap / MIB,
+                    max(0, left_bytes) / MIB)
+        return cap
+    return wanted

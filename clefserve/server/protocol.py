@@ -167,6 +167,8 @@ class SystemOneRequest(BaseModel):
 class NoulAnswer(BaseModel):
     type: Literal["noul"]
     noul: float = Field(description="P(yes), in [0, 1].")
+    x_probabilities: dict[str, float] | None = Field(
+        None, description="Extension (--x-raw-probabilities): unrounded float32 probabilities by option id.")
 
 
 class ChoiceAnswer(BaseModel):
@@ -174,6 +176,8 @@ class ChoiceAnswer(BaseModel):
     choice: str = Field(description="The most probable label (ties: the earlier label in request order).")
     confidence: float
     probabilities: dict[str, float] = Field(description="Keyed by exactly the request's labels.")
+    x_probabilities: dict[str, float] | None = Field(
+        None, description="Extension (--x-raw-probabilities): unrounded float32 probabilities by option id.")
 
 
 class ScoreAnswer(BaseModel):
@@ -182,14 +186,18 @@ class ScoreAnswer(BaseModel):
     confidence: float
     legend: dict[str, Description] = Field(description='"0".."N-1" -> the criteria as sent.')
     probabilities: dict[str, float]
+    x_probabilities: dict[str, float] | None = Field(
+        None, description="Extension (--x-raw-probabilities): unrounded float32 probabilities by option id.")
 
 
 Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
 
 
 class Usage(BaseModel):
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int = Field(description="Length of the record in tokens.")
+    output_tokens: int = Field(description="Always 0: a decision generates no tokens.")
+    x_cached_tokens: int | None = Field(
+        None, description="Extension: the record's leading tokens served from the prefix cache.")
 
 
 class SystemOneResponse(BaseModel):
