@@ -27,18 +27,23 @@ GET /v1/models, GET /health (liveness) and GET /ready (readiness)."""
 
 SERVE_EXAMPLES = """\
 examples:
+  clef-serve --d cpu --p 8080          # the embedded demo model (support-ticket triage)
   clef-serve --w /models/clef-flash --d 0 --dtype bf16 --p 8080
   clef-serve serve --w ./clef-flash --d cpu --host 127.0.0.1 --p 8080 --api-key "$KEY"
 
   curl -s localhost:8080/v1/systemone -H 'content-type: application/json' -d '{
-    "model": "clef-flash", "state": "I was charged twice for order A-104.",
-    "questions": {"billing": {"type": "noul", "instructions": "Is this about a payment?"}}}'"""
+    "model": "clef-demo", "state": {"customer": {"plan": "pro"},
+      "message": "I was charged twice for order A-104, please refund me."},
+    "questions": {"team": {"type": "choice",
+                           "criteria": {"billing": null, "technical": null, "shipping": null}},
+                  "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}'"""
 
 EXAMPLES = SERVE_EXAMPLES + "\n\nCOMMAND defaults to serve; run 'clef-serve serve --help' for every flag."
 
 SERVE_DESCRIPTION = """\
-Load a Clef release folder and serve the System One API over HTTP. /health answers at once;
-/ready answers 503 until the model is loaded, then 200."""
+Load a Clef release folder (without --w: the embedded demo model) and serve the System One API over
+HTTP. /health answers at once; /ready answers 503 until the model is loaded and its startup self-check
+has passed, then 200."""
 
 
 def configure_logging(level: str) -> None:
@@ -62,6 +67,18 @@ def _release_date(folder: Path) -> dt.date:
         return dt.date.today()
 
 
+def release_folder(config: EngineConfig, parser: argparse.ArgumentParser) -> tuple[Path, str]:
+    """The folder to load and the name to serve it under: ``--w``, else the embedded demo model."""
+    from clefserve.demo import DEMO_FOLDER, DEMO_MODEL_NAME
+
+    if config.weights is None:
+        return DEMO_FOLDER, config.served_model_name or DEMO_MODEL_NAME
+    folder = Path(config.weights)
+    if not folder.is_dir():
+        parser.error(f"--w {folder}: not a directory")
+    return folder, config.served_model_name or folder.resolve().name
+
+
 def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     """The release with the ops it will serve with (a fault injected on purpose only through
     ``CLEF_FAULT_ZERO_CONV_BAND``, for tests that prove the self-check catches it)."""
@@ -78,12 +95,10 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from clefserve.formats.clef.engine_backend import EngineBackend
 
     config = EngineConfig.from_args(args)
-    if config.weights is None or not Path(config.weights).is_dir():
-        parser.error("--w DIR is required: the release folder to verify")
+    folder, name = release_folder(config, parser)
     configure_logging(config.log_level)
-    folder = Path(config.weights)
     decider = serving_decider(folder, config, config.torch_device)
-    backend = EngineBackend(decider, config, folder.name)
+    backend = EngineBackend(decider, config, name)
     try:
         problems = backend.run_self_check()
     finally:
@@ -132,17 +147,15 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from clefserve.server import create_app
 
     config = EngineConfig.from_args(args)
-    if config.weights is None:
-        parser.error("--w DIR is required: the release folder to serve")
-    folder = Path(config.weights)
-    if not folder.is_dir():
-        parser.error(f"--w {folder}: not a directory")
+    folder, name = release_folder(config, parser)
     try:
         device = config.torch_device
     except ValueError:
         parser.error(f"--d {config.device!r}: expected 'cpu' or a GPU index such as 0")
     configure_logging(config.log_level)
-    name = config.served_model_name or folder.resolve().name
+    if config.weights is None:
+        log.warning("no --w given: serving the embedded demo model %s, a tiny support-ticket triage model "
+                    "(see clefserve/demo/README.md); pass --w DIR to serve a real Clef release", name)
 
     def load():  # runs off the event loop, after the server has started
 

@@ -68,7 +68,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         dest="weights",
         metavar="DIR",
         help="release folder: config.json, model safetensors, tokenizer.json, joint_head.safetensors and "
-        "joint_head_config.json (required)",
+        "joint_head_config.json (default: the embedded demo model clef-demo, a tiny support-ticket "
+        "triage model for trying the server out)",
     )
     model.add_argument(
         "--d",
@@ -88,7 +89,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=d.served_model_name,
         metavar="NAME",
-        help="name listed by /v1/models (default: the folder name)",
+        help="name listed by /v1/models (default: the folder name; clef-demo for the demo model)",
     )
     model.add_argument(
         "--max-length",
@@ -184,5 +185,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.prefix_cache_mb,
         metavar="MB",
-        help="byte budget of the prefix cache (default: %(default)s)",
+        help="byte budget of the prefix cache, at most half of the memory the pools leave free "
+        "(default: %(default)s)",
     )

@@ -42,7 +42,6 @@ def test_serve_is_the_default_command(argv: list[str], expected: list[str]) -> N
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    ([], "--w DIR is required"),
     (["--w", "/no/such/folder"], "not a directory"),
     (["--w", ".", "--d", "gpu"], "expected 'cpu' or a GPU index"),
     (["--w", ".", "--dtype", "f64"], "invalid choice"),
@@ -68,9 +67,10 @@ def recording_decider(release: Path) -> type:
     return RecordingDecider
 
 
-def test_serve_wires_decider_backend_and_uvicorn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_release
-) -> None:
+@pytest.fixture
+def serve_in_process(monkeypatch: pytest.MonkeyPatch, make_release) -> tuple[dict[str, Any], type]:
+    """``clef-serve`` with uvicorn replaced by a recorder (``ran``: the app and uvicorn's arguments) and
+    a recording ClefDecider that loads a random release whatever folder it is given."""
     import uvicorn
 
     import clefserve.formats.clef.decider as decider_module
@@ -80,18 +80,27 @@ def test_serve_wires_decider_backend_and_uvicorn(
     decider = recording_decider(make_release(seed=2))
     monkeypatch.setattr(decider_module, "ClefDecider", decider)
     monkeypatch.setattr(cli, "configure_logging", lambda level: None)
-    (tmp_path / "clef-flash").mkdir()
+    return ran, decider
+
+
+def wait_ready(client: TestClient) -> None:
+    for _ in range(100):
+        if client.get("/ready").status_code == 200:
+            return
+        time.sleep(0.02)
+    assert client.get("/ready").status_code == 200
+
+
+def test_serve_wires_decider_backend_and_uvicorn(tmp_path: Path, serve_in_process) -> None:
+    ran, decider = serve_in_process
     folder = tmp_path / "clef-flash"
+    folder.mkdir()
 
     assert cli.main(["--w", str(folder), "--d", "cpu", "--dtype", "bf16", "--p", "9123", "--h", "127.0.0.2",
                      "--api-key", "k", "--max-length", "2048"]) == 0
     assert (ran["host"], ran["port"]) == ("127.0.0.2", 9123)
     with TestClient(ran["app"]) as client:
-        for _ in range(100):
-            if client.get("/ready").status_code == 200:
-                break
-            time.sleep(0.02)
-        assert client.get("/ready").status_code == 200
+        wait_ready(client)
         assert decider.made[-1] == (folder, torch.bfloat16, torch.device("cpu"), 2048)
         assert client.get("/v1/models").status_code == 401
         models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
@@ -100,3 +109,14 @@ def test_serve_wires_decider_backend_and_uvicorn(
                              json={"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}})
         assert answer.status_code == 200
         assert 0.0 <= answer.json()["answers"]["q"]["noul"] <= 1.0
+
+
+def test_serve_without_weights_loads_the_embedded_demo(serve_in_process) -> None:
+    from clefserve.demo import DEMO_FOLDER
+
+    ran, decider = serve_in_process
+    assert cli.main(["--p", "9124"]) == 0
+    with TestClient(ran["app"]) as client:
+        wait_ready(client)
+        assert decider.made[-1][0] == DEMO_FOLDER
+        assert client.get("/v1/models").json()["models"][0]["name"] == "clef-demo"

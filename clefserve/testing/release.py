@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from clefserve.model.backbone import Backbone
 from clefserve.model.config import BackboneConfig
@@ -126,6 +127,26 @@ def head_tensors(head_config: dict, seed: int) -> dict[str, torch.Tensor]:
     return random_head_tensors(head_config, seed)
 
 
+def release_config(spec: ReleaseSpec, tokenizer: Tokenizer) -> dict:
+    """The ``config.json`` of a release of ``spec`` with ``tokenizer`` (vocab padded to a multiple of 64)."""
+    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    vocab = 64 * math.ceil(tokenizer.get_vocab_size() / 64)
+    text = spec.text_config(vocab, token_ids)
+    if not spec.conditional_generation:
+        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 32, "out_hidden_size": spec.hidden_size},
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+    }
+
+
 def build_release(
     folder: str | Path,
     spec: ReleaseSpec | None = None,
@@ -140,23 +161,7 @@ def build_release(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(spec.tokenizer_vocab, seed)
     save_tokenizer(tokenizer, folder)
-    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    vocab = 64 * math.ceil(tokenizer.get_vocab_size() / 64)
-    text = spec.text_config(vocab, token_ids)
-    if spec.conditional_generation:
-        raw = {
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
-            "text_config": text,
-            "vision_config": {"depth": 1, "hidden_size": 32, "out_hidden_size": spec.hidden_size},
-            "tie_word_embeddings": spec.tie_word_embeddings,
-            "image_token_id": token_ids["<|image_pad|>"],
-            "video_token_id": token_ids["<|video_pad|>"],
-            "vision_start_token_id": token_ids["<|vision_start|>"],
-            "vision_end_token_id": token_ids["<|vision_end|>"],
-        }
-    else:
-        raw = {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    raw = release_config(spec, tokenizer)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     config = BackboneConfig.from_dict(raw)
     tensors = backbone_tensors(config, seed)

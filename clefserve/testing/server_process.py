@@ -26,12 +26,14 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, folder: Path, log: Path, *extra: str, threads: int = 1, env: dict[str, str] | None = None
+        self, folder: Path | None, log: Path, *extra: str, threads: int = 1, env: dict[str, str] | None = None
     ) -> None:
+        """``folder`` None serves the embedded demo model (no ``--w``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [sys.executable, "-m", "clefserve.cli", "--w", str(folder), "--p", str(self.port),
+        weights = [] if folder is None else ["--w", str(folder)]
+        command = [sys.executable, "-m", "clefserve.cli", *weights, "--p", str(self.port),
                    "--host", "127.0.0.1", *extra]
         environment = {k: v for k, v in os.environ.items() if not k.startswith(("TYPESAFE_", "CLEF_"))}
         environment["OMP_NUM_THREADS"] = str(threads)
