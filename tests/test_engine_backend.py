@@ -126,3 +126,25 @@ def test_refusals_are_request_errors(decider):
         assert stopped.value.status == 503
 
     asyncio.run(run())
+
+
+def test_ready_is_never_true_before_the_startup_self_check_has_passed(make_release, monkeypatch):
+    """The engine exists before the check runs; /ready must not be 200 in between (it once was)."""
+    seen: list[tuple[bool, str]] = []
+    attach = EngineBackend._attach
+
+    def attach_and_look(self: EngineBackend, loaded: ClefDecider) -> None:
+        attach(self, loaded)
+        seen.append(self.ready())
+
+    monkeypatch.setattr(EngineBackend, "_attach", attach_and_look)
+    decider = ClefDecider(make_release(ReleaseSpec(), seed=21))  # canary records need the default length
+    backend = EngineBackend.loading(lambda: decider, _config(max_length=16384, kv_cache_mb=64),
+                                    "clef-test", self_check=True)
+    try:
+        backend._run_load()  # what start() runs on an executor thread
+        assert seen == [(False, "running the startup self-check")]
+        assert backend.ready() == (True, "ready")
+    finally:
+        assert backend.engine is not None
+        backend.engine.shutdown()

@@ -71,7 +71,8 @@ class EngineBackend:
     def _attach(self, decider: ClefDecider) -> None:
         self.engine = Engine(decider.backbone, self.config, self._finish, self._budget)
         self.decider = decider
-        self._reason = "ready"
+        if self._check_failure is None:
+            self._reason = "ready"
 
     # ---- observability (GET /metrics) ----
 
@@ -102,12 +103,16 @@ class EngineBackend:
     def _run_load(self) -> None:
         assert self._load is not None
         try:
-            self._attach(self._load())
+            decider = self._load()
+            if self._self_check:  # before the engine exists, so /ready is never 200 ahead of the check
+                self._check_failure = "self-check pending"
+                self._reason = "running the startup self-check"
+            self._attach(decider)
             if self._self_check:
                 self.run_self_check()
         except Exception as exc:  # the log and /ready say why; the process stays up, not ready
             log.exception("loading the model failed")
-            self._check_failure = self._check_failure or "load failed"
+            self._check_failure = "load failed"
             self._reason = f"loading the model failed: {type(exc).__name__}: {exc}"
             return
         if self._check_failure is None:
