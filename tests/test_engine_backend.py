@@ -128,6 +128,13 @@ def test_refusals_are_request_errors(decider):
     asyncio.run(run())
 
 
+def _loading_backend(make_release, **config: Any) -> EngineBackend:
+    """A backend that loads a release and runs the startup self-check (canaries need the default length)."""
+    decider = ClefDecider(make_release(ReleaseSpec(), seed=21))
+    return EngineBackend.loading(lambda: decider, _config(max_length=16384, kv_cache_mb=64, **config),
+                                 "clef-test", self_check=True)
+
+
 def test_ready_is_never_true_before_the_startup_self_check_has_passed(make_release, monkeypatch):
     """The engine exists before the check runs; /ready must not be 200 in between (it once was)."""
     seen: list[tuple[bool, str]] = []
@@ -138,12 +145,21 @@ def test_ready_is_never_true_before_the_startup_self_check_has_passed(make_relea
         seen.append(self.ready())
 
     monkeypatch.setattr(EngineBackend, "_attach", attach_and_look)
-    decider = ClefDecider(make_release(ReleaseSpec(), seed=21))  # canary records need the default length
-    backend = EngineBackend.loading(lambda: decider, _config(max_length=16384, kv_cache_mb=64),
-                                    "clef-test", self_check=True)
+    backend = _loading_backend(make_release)
     try:
         backend._run_load()  # what start() runs on an executor thread
         assert seen == [(False, "running the startup self-check")]
+        assert backend.ready() == (True, "ready")
+    finally:
+        assert backend.engine is not None
+        backend.engine.shutdown()
+
+
+def test_the_self_check_fits_the_smallest_queue(make_release):
+    """The canaries go in together but within --max-queue: a server with a queue of 1 still starts."""
+    backend = _loading_backend(make_release, max_num_seqs=1, max_queue=1)
+    try:
+        backend._run_load()
         assert backend.ready() == (True, "ready")
     finally:
         assert backend.engine is not None

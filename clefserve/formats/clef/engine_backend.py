@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from clefserve.config import EngineConfig
-from clefserve.engine import Engine, EngineClosedError, FinishedSequence
+from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
 from clefserve.errors import RequestError
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import EncodedRecord
@@ -129,7 +129,21 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
 
         def serve(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            futures = [self._submit(engine, body, decider.encode(body), raw=True) for body in requests]
+            # all at once, so that they share steps, but within --max-queue: when it is full, wait for
+            # the oldest unfinished canary and try again
+            futures: list[Any] = []
+            for body in requests:
+                record = decider.encode(body)
+                while True:
+                    try:
+                        futures.append(self._submit(engine, body, record, raw=True))
+                        break
+                    except QueueFullError:
+                        pending = [f for f in futures if not f.done()]
+                        if pending:
+                            pending[0].result()
+                        else:
+                            time.sleep(0.01)
             return [future.result() for future in futures]
 
         problems, report = self_check(decider, serve, decider.backbone.dtype)
