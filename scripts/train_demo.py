@@ -13,6 +13,10 @@ thread count give the same files.
 
 At the end the written folder is loaded back with ``ClefDecider`` (the serving path) and scored on
 training-template and held-out-template examples; the numbers go into the folder's README.md.
+
+Held-out choice accuracy depends on the seed: 0.91, 0.84, 0.895 and 0.895 for seeds 0–3 with the defaults
+(each on its own held-out draw). The shipped model is seed 0; ``tests/test_demo_model.py`` holds it to
+the thresholds.
 """
 
 from __future__ import annotations
