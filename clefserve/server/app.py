@@ -19,7 +19,7 @@ from clefserve.config import EngineConfig
 from clefserve.errors import RequestError
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend
-from clefserve.server.body import decode_body, parse_json, read_body
+from clefserve.server.body import decode_body, parse_json, read_body, too_large
 from clefserve.server.draining import CancelledRequestGuard
 from clefserve.server.errors import error_detail, from_request_error, validation_failed
 from clefserve.server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
@@ -44,7 +44,9 @@ DESCRIPTION = (
 PARSE_IN_THREAD_BYTES = 64 * 1024
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (only with --api-key)"},
-    413: {"model": ErrorResponse, "description": "Body larger than --max-body-bytes"},
+    413: {"model": ErrorResponse,
+          "description": "Body larger than --max-body-bytes (not counting images), an image larger than "
+                         "--max-image-bytes or --max-image-pixels"},
     415: {"model": ErrorResponse, "description": "Unsupported Content-Encoding or multipart body"},
     422: {"model": HTTPValidationError,
           "description": "Malformed JSON or an invalid request; loc names the field"},
@@ -68,17 +70,44 @@ def model_list(cards: list[dict[str, Any]]) -> dict[str, Any]:
     return {"models": cards, "object": "list", "data": data}
 
 
-async def _read_request(request: Request, config: EngineConfig) -> Any:
+def body_limit(config: EngineConfig, backend: DecisionBackend) -> int:
+    """--max-body-bytes, plus room for --max-images base64 images unless the model takes none."""
+    takes_images = getattr(backend, "takes_images", None)
+    if config.max_images <= 0 or (takes_images is not None and takes_images() is False):
+        return config.max_body_bytes
+    return config.max_body_bytes + config.image_body_bytes
+
+
+def _check_text_size(raw: bytes, body: Any, config: EngineConfig) -> None:
+    """--max-body-bytes bounds the body without its images (each image is bounded on its own)."""
+    if len(raw) <= config.max_body_bytes:
+        return
+    images = body.get("images") if isinstance(body, dict) else None
+    strings = [entry for entry in images if isinstance(entry, str)] if isinstance(images, list) else []
+    # an encoder may escape "/" as "\/": allow for it rather than count a picture's bytes as text
+    text = len(raw) - sum(len(s) + s.count("/") for s in strings)
+    if text > config.max_body_bytes:
+        raise too_large(config.max_body_bytes, "--max-body-bytes, not counting the images")
+
+
+async def _read_request(request: Request, config: EngineConfig, limit: int) -> Any:
     content_type = request.headers.get("content-type", "")
     if content_type.lower().startswith("multipart/"):
         raise HTTPException(415, error_detail(
             "multipart bodies (image assets) are not supported: send the request as application/json",
             "invalid_request"))
-    raw = await read_body(request.stream(), request.headers.get("content-length"), config.max_body_bytes)
-    raw = decode_body(raw, request.headers.get("content-encoding"), config.max_body_bytes)
+    what = ("--max-body-bytes" if limit == config.max_body_bytes
+            else "--max-body-bytes plus --max-images images of --max-image-bytes in base64")
+    raw = await read_body(request.stream(), request.headers.get("content-length"), limit, what)
+    raw = decode_body(raw, request.headers.get("content-encoding"), limit, what)
+    if len(raw) > config.max_body_bytes and b'"images"' not in raw:  # no images: refuse before parsing
+        raise too_large(config.max_body_bytes)
     if len(raw) > PARSE_IN_THREAD_BYTES:  # a 1 MiB body takes ~0.2 s to parse and check
-        return await run_in_threadpool(parse_json, raw)
-    return parse_json(raw)
+        body = await run_in_threadpool(parse_json, raw)
+    else:
+        body = parse_json(raw)
+    _check_text_size(raw, body, config)
+    return body
 
 
 def _metrics_for(backend: DecisionBackend) -> Metrics:
@@ -123,7 +152,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         summary="Answer questions about a state",
     )
     async def systemone(request: Request) -> JSONResponse:
-        body = await _read_request(request, config)
+        body = await _read_request(request, config, body_limit(config, backend))
         try:
             SystemOneRequest.model_validate(body)
         except ValidationError as exc:
