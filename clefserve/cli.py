@@ -84,8 +84,11 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     ``CLEF_FAULT_ZERO_CONV_BAND``, for tests that prove the self-check catches it)."""
     from clefserve.formats.clef.decider import ClefDecider
     from clefserve.model.ops.faults import ops_from_environment
+    from clefserve.vision.inputs import ImageLimits
 
-    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length)
+    limits = ImageLimits(config.max_images, config.max_image_pixels, config.max_image_bytes)
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, limits,
+                          config.image_cache_mb << 20)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
     return decider
 
@@ -130,14 +133,32 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
     tolerance = 1e-3 if decider.backbone.dtype == torch.float32 else 1e-1
     problems = []
     with torch.inference_mode():
-        for i, request in enumerate(canary_requests()):
-            ids = torch.tensor(decider.encode(request).input_ids)
-            ours, _ = decider.backbone.run_sequence(ids)
-            ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
+        for i, request in enumerate(canary_requests(images=decider.takes_images)):
+            record = decider.encode(request)
+            ids = torch.tensor(record.input_ids)
+            ours, _ = decider.backbone.run_sequence(ids, inputs=decider.inputs(record, fresh=True))
+            if record.images:  # the vision tower too: transformers' model with the pixels
+                ref = model.model(input_ids=ids[None].to(ours.device), use_cache=False,
+                                  **_transformers_media(record, ours.device)).last_hidden_state[0]
+            else:
+                ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
             diff = (ours.float() - ref.float()).abs().max().item()
             if not diff <= tolerance * max(1.0, ref.float().abs().max().item()):
                 problems.append(f"canary {i}: hidden rows differ from transformers by {diff:.3g}")
     return problems
+
+
+def _transformers_media(record: Any, device: Any) -> dict[str, Any]:
+    """A record's pictures as transformers' Qwen3.5 takes them (pixels, grids, token types)."""
+    import torch
+
+    pixels = torch.cat([torch.from_numpy(p.patches.pixels) for p in record.prepared_images])
+    grids = torch.tensor([p.patches.grid for p in record.prepared_images])
+    types = torch.zeros(1, len(record.input_ids), dtype=torch.long)
+    for image in record.images:
+        types[0, image.span.start : image.span.end] = 1
+    return {"pixel_values": pixels.to(device), "image_grid_thw": grids.to(device),
+            "mm_token_type_ids": types.to(device)}
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

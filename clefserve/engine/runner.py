@@ -58,7 +58,19 @@ class ModelRunner:
         """
         past = [seq.num_computed for seq, _ in chunks]
         ids = torch.cat([seq.token_ids[p : p + n] for (seq, n), p in zip(chunks, past, strict=True)])
-        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past))
+        mrope = None
+        if any(seq.inputs is not None and seq.inputs.positions is not None for seq, _ in chunks):
+            mrope = tuple(
+                seq.inputs.positions_for(p, p + n)
+                if seq.inputs is not None and seq.inputs.positions is not None else None
+                for (seq, n), p in zip(chunks, past, strict=True)
+            )
+        embeds, row = [], 0
+        for (seq, n), p in zip(chunks, past, strict=True):  # picture rows, also of a piece of a picture
+            if seq.inputs is not None:
+                embeds.extend((row + offset, rows) for offset, rows in seq.inputs.embeds_for(p, p + n))
+            row += n
+        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past), mrope=mrope)
         slots = []
         for (seq, n), p in zip(chunks, past, strict=True):
             assert seq.block_table_tensor is not None and seq.slot is not None
@@ -66,7 +78,7 @@ class ModelRunner:
                 seq_slots(p, n, seq.block_table_tensor, self.kv.block_size, seq.slot, seq.first_block)
             )
         cache = PagedCache(self.kv, self.states, self.attention_index, self.gdn_index, slots)
-        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache)
+        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache, embeds)
         start = 0
         for (seq, n), p in zip(chunks, past, strict=True):
             if seq.hidden is not None and p + n <= seq.hidden.shape[0]:

@@ -26,15 +26,16 @@ class VisionEncoder:
         self.seconds = 0.0
 
     @torch.inference_mode()
-    def embed(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+    def embed(self, images: list[PreparedImage], use_cache: bool = True) -> list[torch.Tensor]:
         """One ``[num_tokens, text hidden]`` tensor per picture, on the tower's device and dtype."""
+        cache = self.cache if use_cache else None
         out = []
         for image in images:
-            rows = self.cache.get(image.digest) if self.cache is not None else None
+            rows = cache.get(image.digest) if cache is not None else None
             if rows is None:
                 rows = self._encode(image)
-                if self.cache is not None:
-                    self.cache.put(image.digest, rows)
+                if cache is not None:
+                    cache.put(image.digest, rows)
             out.append(rows)
         return out
 

@@ -78,3 +78,13 @@ def load_vision_tower(
     tower.load_state_dict(state, strict=True, assign=True)
     tower.requires_grad_(False)
     return tower.eval()
+
+
+def check_token_ids(config: VisionConfig, tokenizer_ids: tuple[int | None, int | None, int | None]) -> None:
+    """The tokenizer's <|vision_start|>, <|image_pad|>, <|vision_end|> must be the ids config.json names
+    (the reference's processor writes the tokenizer's, its model looks for config.json's)."""
+    expected = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
+    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+    for name, want, got in zip(names, expected, tokenizer_ids, strict=True):
+        if got != want:
+            raise ReleaseError(f"tokenizer.json gives {name} the id {got}, config.json says {want}")

@@ -8,11 +8,15 @@ from typing import Any
 
 import torch
 
+from clefserve.errors import RequestError
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.inputs import SequenceInputs
 from clefserve.model.weights import load_backbone
+from clefserve.vision.inputs import ImageLimits
+from clefserve.vision.release import ReleaseImages
 
 
 class ClefDecider:
@@ -22,14 +26,40 @@ class ClefDecider:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_length: int = DEFAULT_MAX_LENGTH,
+        image_limits: ImageLimits | None = None,
+        image_cache_bytes: int = 256 << 20,
     ) -> None:
         self.folder = Path(folder)
         self.backbone = load_backbone(self.folder, dtype, device)
         self.head = load_head(self.folder, dtype, device, hidden_size=self.backbone.config.hidden_size)
         self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        self.images, self.images_refused = ReleaseImages.load(
+            self.folder, self.encoder.vision_token_ids(), dtype, device, image_limits, image_cache_bytes
+        )
+
+    @property
+    def takes_images(self) -> bool:
+        return self.images is not None
 
     def encode(self, request: dict[str, Any]) -> EncodedRecord:
-        return self.encoder.encode(request)
+        """Ids and spans of a request; its pictures decoded and preprocessed (slow: not on the event loop)."""
+        prepared = None
+        if request.get("images"):
+            if self.images is None:
+                raise RequestError(f"images: {self.images_refused}", error_type="unsupported")
+            prepared = self.images.prepare(request["images"])
+        return self.encoder.encode(request, prepared)
+
+    def inputs(self, record: EncodedRecord, fresh: bool = False) -> SequenceInputs | None:
+        """What the backbone needs beyond the ids: the vision tower's rows for the pictures (from the
+        encoder cache when seen recently, unless ``fresh``) and the M-RoPE positions; None for a text
+        record."""
+        if not record.images:
+            return None
+        assert self.images is not None
+        rows = self.images.embed(record.prepared_images, use_cache=not fresh)
+        embeds = tuple((image.span.start, r) for image, r in zip(record.images, rows, strict=True))
+        return SequenceInputs(embeds=embeds, positions=record.positions())
 
     @torch.inference_mode()
     def logits(self, hiddens: list[torch.Tensor], records: list[EncodedRecord]) -> list[list[torch.Tensor]]:
@@ -47,15 +77,18 @@ class ClefDecider:
         return build_response(request, record, logits, raw, cached_tokens)
 
     @torch.inference_mode()
-    def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False) -> list[dict[str, Any]]:
+    def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False,
+                     fresh_images: bool = False) -> list[dict[str, Any]]:
         """Answer each request; the backbone runs record by record, the head once over the batch.
 
-        ``raw`` adds unrounded ``x_probabilities`` to every answer."""
+        ``raw`` adds unrounded ``x_probabilities`` to every answer; ``fresh_images`` encodes pictures
+        without the encoder cache."""
         if not requests:
             return []
         records = [self.encode(request) for request in requests]
         hiddens = [
-            self.backbone.run_sequence(torch.tensor(record.input_ids, dtype=torch.long))[0]
+            self.backbone.run_sequence(torch.tensor(record.input_ids, dtype=torch.long),
+                                       inputs=self.inputs(record, fresh_images))[0]
             for record in records
         ]
         logits = self.logits(hiddens, records)

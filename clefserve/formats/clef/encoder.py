@@ -157,6 +157,16 @@ class ClefEncoder:
                     raise RequestError(f"request text is not valid Unicode: {exc.reason}") from exc
             raise
 
+    def _check_pad_text(self, input_ids: list[int], placed: list[RecordImage]) -> None:
+        """With pictures, every <|image_pad|> token must be a picture's: the model puts the pictures' rows
+        on all of them in order (the reference fails on such a record), so "<|image_pad|>" written in the
+        state or a question is refused rather than given a picture's rows."""
+        pad = self.vision_token_ids()[1]
+        expected = sum(image.span.length for image in placed)
+        if sum(1 for i in input_ids if i == pad) != expected:
+            raise RequestError(f"the state or a question contains the text {IMAGE_PAD}, which a request "
+                               "with images cannot hold (the model takes it for a picture's token)")
+
     def encode(self, request: dict[str, Any], images: list[PreparedImage] | None = None) -> EncodedRecord:
         """Encode a validated ``/v1/systemone`` body into ids, spans and segment ends; ``images``: the
         request's pictures, prepared (the caller decodes ``request["images"]``)."""
@@ -243,6 +253,8 @@ class ClefEncoder:
         for ids in schema_pieces:
             input_ids.extend(ids)
         input_ids.extend(self._suffix)
+        if placed:
+            self._check_pad_text(input_ids, placed)
         return EncodedRecord(
             input_ids=tuple(input_ids),
             questions=tuple(encoded_questions),

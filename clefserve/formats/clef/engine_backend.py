@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueF
 from clefserve.errors import RequestError
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.inputs import SequenceInputs
 
 if TYPE_CHECKING:
     from clefserve.server.metrics import Metrics
@@ -29,6 +31,9 @@ log = logging.getLogger(__name__)
 
 # How often a waiting request asks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.1
+# Fault injection for tests only: a prefix cache that compares token ids alone, so two pictures of one size
+# look alike to it (the failure the cache keys prevent); the startup self-check must catch it.
+IMAGE_KEYS_FAULT_ENV = "CLEF_FAULT_IMAGE_CACHE_KEYS_IDS_ONLY"
 
 
 class EngineBackend:
@@ -80,9 +85,18 @@ class EngineBackend:
         self._metrics = metrics
 
     def stats(self) -> dict[str, Any] | None:
-        """The engine's counters and pool gauges; None until the model is loaded."""
-        engine = self.engine
-        return engine.stats() if engine is not None else None
+        """The engine's counters and pool gauges, and the vision tower's; None until the model is loaded."""
+        engine, decider = self.engine, self.decider
+        if engine is None:
+            return None
+        stats = engine.stats()
+        if decider is not None and decider.images is not None:
+            stats.update(decider.images.encoder.stats())
+        return stats
+
+    def takes_images(self) -> bool | None:
+        """Whether the model takes images; None while it loads."""
+        return self.decider.takes_images if self.decider is not None else None
 
     # ---- DecisionBackend ----
 
@@ -134,9 +148,10 @@ class EngineBackend:
             futures: list[Any] = []
             for body in requests:
                 record = decider.encode(body)
+                inputs = decider.inputs(record)
                 while True:
                     try:
-                        futures.append(self._submit(engine, body, record, raw=True))
+                        futures.append(self._submit(engine, body, record, True, inputs))
                         break
                     except QueueFullError:
                         pending = [f for f in futures if not f.done()]
@@ -159,11 +174,16 @@ class EngineBackend:
         return problems
 
     @staticmethod
-    def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool) -> Any:
-        # prefix-cache resume points: after the fixed prefix, after the state (the same state asked
-        # other questions), and the whole record (an identical request)
-        points = (record.prefix_end, record.state_end, len(record.input_ids))
-        return engine.submit(record.input_ids, payload=(body, record, raw), snapshot_points=points)
+    def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool,
+                inputs: SequenceInputs | None = None) -> Any:
+        # prefix-cache resume points: after the fixed prefix, after the pictures (the same pictures with
+        # another state), after the state (the same state asked other questions), and the whole record
+        points = (record.prefix_end, record.state_start, record.state_end, len(record.input_ids))
+        keys = None
+        if record.images and not os.environ.get(IMAGE_KEYS_FAULT_ENV):
+            keys = record.cache_keys()
+        return engine.submit(record.input_ids, payload=(body, record, raw), snapshot_points=points,
+                             inputs=inputs, cache_keys=keys)
 
     async def stop(self) -> None:
         """After the server has drained (uvicorn waits up to --shutdown-grace-s for in-flight requests):
@@ -182,9 +202,10 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
         if engine is None or decider is None or engine.closed or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
-        record = await asyncio.to_thread(decider.encode, body)
+        # decoding, preprocessing and the vision tower run in a worker thread, never on the event loop
+        record, inputs = await asyncio.to_thread(self._prepare, decider, body)
         try:
-            future = self._submit(engine, body, record, self.config.raw_probabilities)
+            future = self._submit(engine, body, record, self.config.raw_probabilities, inputs)
         except EngineClosedError as exc:
             raise RequestError("the server is shutting down", status=503, error_type="unavailable") from exc
         waiting = asyncio.wrap_future(future)  # cancelling it (task cancelled) cancels the sequence too
@@ -198,6 +219,11 @@ class EngineBackend:
         finally:
             if not future.done():
                 engine.cancel(future)
+
+    @staticmethod
+    def _prepare(decider: ClefDecider, body: dict[str, Any]) -> tuple[EncodedRecord, SequenceInputs | None]:
+        record = decider.encode(body)
+        return record, decider.inputs(record)
 
     # ---- on the engine's thread ----
 
