@@ -90,6 +90,14 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, limits,
                           config.image_cache_mb << 20)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
+    if decider.images is not None:
+        tower, pre = decider.images.encoder.tower.config, decider.images.inputs.preprocessor
+        log.info("images: vision tower of %d blocks (width %d); up to %d per request, %d bytes and %d pixels "
+                 "each; resized to %d-%d pixels, %d pixels per token side; encoder cache %d MiB",
+                 tower.depth, tower.hidden_size, config.max_images, config.max_image_bytes,
+                 config.max_image_pixels, pre.min_pixels, pre.max_pixels, pre.factor, config.image_cache_mb)
+    else:
+        log.info("images: refused (%s)", decider.images_refused)
     return decider
 
 
