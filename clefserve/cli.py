@@ -84,9 +84,11 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     ``CLEF_FAULT_ZERO_CONV_BAND``, for tests that prove the self-check catches it)."""
     from clefserve.formats.clef.decider import ClefDecider
     from clefserve.model.ops.faults import ops_from_environment
+    from clefserve.model.ops.select import describe
 
-    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length)
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
+    log.info(describe(decider.backbone.ops, decider.backbone.device, config.torch_dtype))
     return decider
 
 
