@@ -1,12 +1,21 @@
 """System One throughput: our server (a real process, over HTTP) against Cloudflare's reference
-``systemone()`` called in-process one request at a time: same release, dtype and CPU, side by side in one
-run.
+``systemone()`` called in-process one request at a time: same release, dtype, threads and CPU, side by side in
+one run.
 
-    python -m benchmarks.systemone [--dtypes f32 bf16] [--concurrency 1 4 8 16] [--requests 16]
+    python -m benchmarks.systemone [--shape clef256] [--dtypes f32 bf16] [--sizes 400 3000 12000]
+                                   [--concurrency 8] [--requests 8] [--threads 2]
 
-Workload: half short records (~400 tokens), half long ones (~3,000), three questions each (noul, choice,
-score) on a Clef-shaped random release (hidden 256, 8 layers). Also prints the machine's matmul peak and
-the share of it our long-record prefill reaches. Needs the test extras (transformers, clef-finetune).
+For each dtype it prints:
+
+- one request at a time, each record size alone (``--sizes``, ``--per-size`` requests each): reference vs
+  ours at concurrency 1;
+- the mixed workload (half ~``--short``, half ~``--long`` tokens, fresh states, ``--requests`` requests):
+  reference one at a time vs ours at each ``--concurrency``, and the p95 latency of the short records in
+  the mixed run against their p95 alone;
+- the long-record prefill of our backbone as a share of this machine's measured matmul peak.
+
+Three questions per record (noul, choice, score) on a random Clef-shaped release (``benchmarks.shapes``).
+Needs the test extras (transformers, clef-finetune).
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ import httpx
 import torch
 
 from benchmarks.flops import matmul_peak, prefill_flops
+from benchmarks.shapes import SHAPES, build_shape
 from clefserve.config import DTYPES
 from clefserve.formats.clef.encoder import ClefEncoder
+from clefserve.model.ops.select import select_ops
 from clefserve.model.weights import load_backbone
-from clefserve.testing.release import build_release, clef_shaped_spec
 from clefserve.testing.server_process import ServerProcess
 from clefserve.testing.tokenizer import WORDS
 
@@ -40,11 +50,24 @@ def make_request(encoder: ClefEncoder, tokens: int, rng: random.Random) -> dict:
         "urgency": {"type": "score", "instructions": "How urgent is it?",
                     "criteria": ["Can wait", "This week", "Today", "Right now"]},
     }
-    words: list[str] = []
-    request = {"model": "bench", "state": "", "questions": questions}
-    while len(encoder.encode(request).input_ids) < tokens:
-        words.extend(rng.choices(WORDS, k=64))
-        request["state"] = {"ticket": rng.randint(1, 99999), "message": " ".join(words)}
+    request: dict = {"model": "bench", "state": "", "questions": questions}
+    ticket = rng.randint(1, 99999)
+
+    def length(words: list[str]) -> int:
+        request["state"] = {"ticket": ticket, "message": " ".join(words)}
+        return len(encoder.encode(request).input_ids)
+
+    words = rng.choices(WORDS, k=64)
+    while length(words) < tokens:
+        words += rng.choices(WORDS, k=len(words))
+    low, high = 0, len(words)  # the fewest words that reach ``tokens``
+    while low < high:
+        middle = (low + high) // 2
+        if length(words[:middle]) >= tokens:
+            high = middle
+        else:
+            low = middle + 1
+    length(words[:low])
     return request
 
 
@@ -53,32 +76,49 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(label: str, wall: float, latencies: list[float], tokens: int, base: float | None) -> float:
-    rate = len(latencies) / wall
-    ratio = f"{rate / base:6.2f}x" if base else "      -"
-    p50, p95 = statistics.median(latencies), percentile(latencies, 0.95)
-    throughput = f"{rate:7.2f} req/s {tokens / wall:9.0f} tok/s"
-    print(f"  {label:<34} {throughput}  p50 {p50:6.2f}s  p95 {p95:6.2f}s  {ratio}")
-    return rate
+class Run:
+    """One measurement: wall time, per-request latencies and input tokens."""
+
+    def __init__(self, wall: float, latencies: list[float], tokens: list[int]) -> None:
+        self.wall, self.latencies, self.tokens = wall, latencies, tokens
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.wall
+
+    def report(self, label: str, base: Run | None = None) -> None:
+        ratio = f"{self.rate / base.rate:6.2f}x" if base else "      -"
+        p50, p95 = statistics.median(self.latencies), percentile(self.latencies, 0.95)
+        print(f"  {label:<38} {self.rate:7.2f} req/s {sum(self.tokens) / self.wall:8.0f} tok/s  "
+              f"p50 {p50:6.2f}s  p95 {p95:6.2f}s  {ratio}")
+
+    def p95_of(self, short: int) -> float:
+        """p95 latency of the requests with at most ``short`` tokens."""
+        return percentile([t for t, n in zip(self.latencies, self.tokens, strict=True) if n <= short], 0.95)
 
 
-def run_reference(folder: Path, dtype: torch.dtype, requests: list[dict]) -> tuple[float, list[float], int]:
-    from tests.oracles import jsm, reference_clef
+class Reference:
+    """Cloudflare's ``systemone()`` over transformers' Qwen3.5, one request at a time."""
 
-    model, processor = reference_clef(folder, dtype)
-    jsm().systemone(model, processor, requests[0])  # warm-up
-    latencies, tokens, start = [], 0, time.perf_counter()
-    for request in requests:
-        t = time.perf_counter()
-        tokens += jsm().systemone(model, processor, request)["usage"]["input_tokens"]
-        latencies.append(time.perf_counter() - t)
-    return time.perf_counter() - start, latencies, tokens
+    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
+        from tests.oracles import jsm, reference_clef
+
+        self.jsm = jsm()
+        self.model, self.processor = reference_clef(folder, dtype)
+
+    def run(self, requests: list[dict]) -> Run:
+        self.jsm.systemone(self.model, self.processor, {**requests[0], "state": "warm-up"})
+        latencies, tokens, start = [], [], time.perf_counter()
+        for request in requests:
+            t = time.perf_counter()
+            tokens.append(self.jsm.systemone(self.model, self.processor, request)["usage"]["input_tokens"])
+            latencies.append(time.perf_counter() - t)
+        return Run(time.perf_counter() - start, latencies, tokens)
 
 
-def run_server(url: str, requests: list[dict], concurrency: int) -> tuple[float, list[float], int]:
-    with httpx.Client(base_url=url, timeout=600) as client:
-        warm_up = {**requests[0], "state": "warm-up"}  # not one of the measured states
-        client.post("/v1/systemone", json=warm_up).raise_for_status()
+def run_server(url: str, requests: list[dict], concurrency: int) -> Run:
+    with httpx.Client(base_url=url, timeout=3600) as client:
+        client.post("/v1/systemone", json={**requests[0], "state": "warm-up"}).raise_for_status()
 
         def call(request: dict) -> tuple[float, int]:
             t = time.perf_counter()
@@ -90,22 +130,31 @@ def run_server(url: str, requests: list[dict], concurrency: int) -> tuple[float,
         with ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(call, requests))
         wall = time.perf_counter() - start
-    return wall, [r[0] for r in results], sum(r[1] for r in results)
+    return Run(wall, [r[0] for r in results], [r[1] for r in results])
 
 
 def long_prefill_utilisation(folder: Path, dtype: torch.dtype, tokens: int) -> tuple[float, float]:
+    """Our backbone (serving ops) on one ``tokens``-long record in engine-sized pieces: FLOP/s and share of
+    the matmul peak."""
     model = load_backbone(folder, dtype=dtype)
+    model.set_ops(select_ops(model.device, dtype))
     ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
-    model.run_sequence(ids)
-    best = min(_timed(lambda: model.run_sequence(ids)) for _ in range(3))
+
+    def run() -> None:
+        state = None
+        for start in range(0, tokens, 1024):
+            _, state = model.run_sequence(ids[start : start + 1024], state)
+
+    with torch.inference_mode():
+        run()
+        best = min(_timed(run) for _ in range(3))
     achieved = prefill_flops(model.config, tokens) / best
     return achieved, achieved / matmul_peak(dtype)
 
 
 def _timed(fn) -> float:
     start = time.perf_counter()
-    with torch.inference_mode():
-        fn()
+    fn()
     return time.perf_counter() - start
 
 
@@ -113,13 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--shape", default="clef256", choices=sorted(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["f32", "bf16"], choices=sorted(DTYPES))
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--requests", type=int, default=16, help="requests per measurement (half short)")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[400, 3000, 12000],
+                        help="record sizes measured alone at concurrency 1 (none: skip)")
+    parser.add_argument("--per-size", type=int, default=3, help="requests per size alone")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8])
+    parser.add_argument("--requests", type=int, default=16, help="mixed workload requests (half short)")
     parser.add_argument("--short", type=int, default=400)
     parser.add_argument("--long", type=int, default=3000)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--server-args", default="--max-num-seqs 8 --prefill-chunk-size 1024",
                         help="extra clef-serve flags")
@@ -127,30 +178,46 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_release(Path(tmp) / "release", clef_shaped_spec(args.hidden, args.layers), seed=0)
+        folder = build_shape(args.shape, Path(tmp) / "release")
         encoder = ClefEncoder.from_folder(folder)
         rng = random.Random(0)
-        lengths = [args.long if i % 2 else args.short for i in range(args.requests)]
 
-        def workload() -> list[dict]:
+        def fresh(lengths: list[int]) -> list[dict]:
             # fresh states for every measurement: a prefix cache may only reuse what real traffic shares
             batch = [make_request(encoder, length, rng) for length in lengths]
             rng.shuffle(batch)
             return batch
 
-        print(f"# hidden {args.hidden}, {args.layers} layers, {args.requests} requests "
-              f"(~{args.short}/~{args.long} tokens), {args.threads} threads, server: {args.server_args}")
+        mixed = [args.long if i % 2 else args.short for i in range(args.requests)]
+        print(f"# shape {args.shape}, {args.threads} threads, server: {args.server_args}; mixed: "
+              f"{args.requests} requests (~{args.short}/~{args.long} tokens)")
         for name in args.dtypes:
             dtype = DTYPES[name]
             print(f"{name}:")
-            wall, latencies, tokens = run_reference(folder, dtype, workload())
-            base = report("reference systemone(), 1 at a time", wall, latencies, tokens, None)
-            extra = ["--dtype", name, *args.server_args.split()]
+            reference = Reference(folder, dtype)
             log = Path(tmp) / f"server-{name}.log"
+            extra = ["--dtype", name, "--max-length", str(max([*args.sizes, args.long]) + 1024),
+                     *args.server_args.split()]
             with ServerProcess(folder, log, *extra, threads=args.threads) as server:
+                alone_short: Run | None = None
+                for size in args.sizes:
+                    base = reference.run(fresh([size] * args.per_size))
+                    base.report(f"~{size} tokens: reference, 1 at a time")
+                    ours = run_server(server.url, fresh([size] * args.per_size), 1)
+                    ours.report(f"~{size} tokens: clef-serve, concurrency 1", base)
+                    if size == args.short:
+                        alone_short = ours
+                base = reference.run(fresh(mixed))
+                base.report("mixed: reference, 1 at a time")
                 for concurrency in args.concurrency:
-                    wall, latencies, tokens = run_server(server.url, workload(), concurrency)
-                    report(f"clef-serve, concurrency {concurrency}", wall, latencies, tokens, base)
+                    ours = run_server(server.url, fresh(mixed), concurrency)
+                    ours.report(f"mixed: clef-serve, concurrency {concurrency}", base)
+                    if alone_short is not None:
+                        cut = args.short + 50
+                        mixed_p95, alone_p95 = ours.p95_of(cut), alone_short.p95_of(cut)
+                        print(f"    short records: p95 {mixed_p95:.2f}s in the mixed run, {alone_p95:.2f}s "
+                              f"alone ({mixed_p95 / alone_p95:.2f}x)")
+            del reference
             achieved, share = long_prefill_utilisation(folder, dtype, args.long)
             print(f"  long-record prefill ({args.long} tokens): {achieved / 1e9:.1f} GFLOP/s = "
                   f"{100 * share:.0f}% of the measured {name} matmul peak")

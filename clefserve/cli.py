@@ -84,12 +84,14 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     ``CLEF_FAULT_ZERO_CONV_BAND``, for tests that prove the self-check catches it)."""
     from clefserve.formats.clef.decider import ClefDecider
     from clefserve.model.ops.faults import ops_from_environment
+    from clefserve.model.ops.select import describe
     from clefserve.vision.inputs import ImageLimits
 
     limits = ImageLimits(config.max_images, config.max_image_pixels, config.max_image_bytes)
-    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, limits,
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels, limits,
                           config.image_cache_mb << 20)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
+    log.info(describe(decider.backbone.ops, decider.backbone.device, config.torch_dtype))
     if decider.images is not None:
         tower, pre = decider.images.encoder.tower.config, decider.images.inputs.preprocessor
         log.info("images: vision tower of %d blocks (width %d); up to %d per request, %d bytes and %d pixels "

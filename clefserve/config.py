@@ -42,6 +42,7 @@ class EngineConfig:
     raw_probabilities: bool = False
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
+    kernels: str = "auto"
 
     @property
     def image_body_bytes(self) -> int:
@@ -157,6 +158,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "engine and exit 0 (keep Kubernetes' terminationGracePeriodSeconds above it) (default: %(default)s)",
     )
     engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--kernels",
+        choices=["auto", "fast", "reference"],
+        default=d.kernels,
+        help="op implementations: the fastest this device supports (auto, fast) or the plain torch "
+        "reference ops (reference); the startup log lists the choice per op (default: %(default)s)",
+    )
     engine.add_argument(
         "--max-num-seqs",
         type=int,

@@ -10,14 +10,16 @@ import torch
 from clefserve.model.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from clefserve.model.weights import load_backbone
 from tests.backbone_specs import BACKBONE_SPECS
+from tests.kernel_modes import KERNEL_MODES, use_kernels
 
 TOLERANCE = 1e-5
 
 
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("name", sorted(BACKBONE_SPECS))
 @torch.inference_mode()
-def test_random_pieces_equal_one_piece(make_release, name):
-    model = load_backbone(make_release(BACKBONE_SPECS[name], seed=len(name)))
+def test_random_pieces_equal_one_piece(make_release, name, mode):
+    model = use_kernels(load_backbone(make_release(BACKBONE_SPECS[name], seed=len(name))), mode)
     rng = random.Random(name)
     gen = torch.Generator().manual_seed(11)
     for _ in range(2):

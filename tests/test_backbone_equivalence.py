@@ -7,6 +7,7 @@ import torch
 
 from clefserve.model.weights import load_backbone
 from tests.backbone_specs import BACKBONE_SPECS
+from tests.kernel_modes import KERNEL_MODES, use_kernels
 from tests.oracles import reference_backbone, reference_text_model
 
 LENGTHS = (1, 63, 64, 65, 1536)
@@ -16,10 +17,14 @@ TOLERANCE = 1e-4
 MIN_LAYER_CHANGE = 0.05
 
 
-@pytest.fixture(scope="module", params=sorted(BACKBONE_SPECS))
+CASES = [(spec, mode) for spec in sorted(BACKBONE_SPECS) for mode in KERNEL_MODES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def pair(request, make_release):
-    folder = make_release(BACKBONE_SPECS[request.param], seed=len(request.param))
-    return load_backbone(folder), reference_backbone(folder)
+    name, mode = request.param
+    folder = make_release(BACKBONE_SPECS[name], seed=len(name))
+    return use_kernels(load_backbone(folder), mode), reference_backbone(folder)
 
 
 @torch.inference_mode()

@@ -11,6 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from clefserve import cli
+from clefserve.vision.inputs import ImageLimits
 
 
 def test_help_describes_the_server_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,7 +102,8 @@ def test_serve_wires_decider_backend_and_uvicorn(tmp_path: Path, serve_in_proces
     assert (ran["host"], ran["port"]) == ("127.0.0.2", 9123)
     with TestClient(ran["app"]) as client:
         wait_ready(client)
-        assert decider.made[-1] == (folder, torch.bfloat16, torch.device("cpu"), 2048)
+        assert decider.made[-1] == (folder, torch.bfloat16, torch.device("cpu"), 2048, "auto",
+                                    ImageLimits(4, 40_000_000, 5 << 20), 256 << 20)
         assert client.get("/v1/models").status_code == 401
         models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
         assert models["models"][0]["name"] == "clef-flash"

@@ -14,6 +14,7 @@ from clefserve.model.cache import DenseCache, SequenceState
 from clefserve.model.layers import Batch
 from clefserve.model.weights import load_backbone
 from tests.engine_support import ENGINE_SPECS, keep_hidden, random_ids, small_config
+from tests.kernel_modes import KERNEL_MODES, use_kernels
 
 TOLERANCE = 1e-5
 
@@ -46,14 +47,17 @@ def _shared_continuations(trace: list[tuple[tuple[int, int], ...]]) -> int:
     return count
 
 
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("name", sorted(ENGINE_SPECS))
-def test_engine_rows_equal_one_piece_runs(make_release, name):
+def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
+    """The engine with ``mode``'s ops against one-piece runs with the torch reference ops."""
     model = load_backbone(make_release(ENGINE_SPECS[name], seed=3))
     seqs, chunk, block = SHAPES[name]
     rng = random.Random(name)
     gen = torch.Generator().manual_seed(len(name))
     records = [random_ids(model.config.vocab_size, n, gen) for n in _lengths(chunk, rng)]
     expected = [model.run_sequence(ids)[0] for ids in records]
+    use_kernels(model, mode)
     # no prefix cache: it would serve the second pass whole (tests/test_prefix_cache.py covers it)
     config = small_config(max_num_seqs=seqs, prefill_chunk_size=chunk, block_size=block, prefix_cache=False)
     with Engine(model, config, keep_hidden) as engine:
@@ -94,10 +98,11 @@ def test_hidden_rows_can_be_skipped(make_release):
         assert engine.submit(ids, payload="p", keep_hidden=False).result(timeout=30) == ("p", None, 70)
 
 
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @torch.inference_mode()
-def test_engine_equals_a_dense_replay_of_its_own_steps(make_release):
+def test_engine_equals_a_dense_replay_of_its_own_steps(make_release, mode):
     """The same batches through the reference DenseCache give the engine's rows: the pools change nothing."""
-    model = load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=3))
+    model = use_kernels(load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=3)), mode)
     gen = torch.Generator().manual_seed(5)
     records = [random_ids(model.config.vocab_size, n, gen) for n in (70, 3, 1, 33, 64, 5, 20)]
 

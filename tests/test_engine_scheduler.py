@@ -9,7 +9,7 @@ import torch
 
 from clefserve.engine import Engine
 from clefserve.engine.kv_pool import BlockAllocator
-from clefserve.engine.scheduler import Scheduler
+from clefserve.engine.scheduler import STARVATION_STEPS, Scheduler
 from clefserve.engine.sequence import Sequence, Status
 from clefserve.engine.state_pool import SlotAllocator
 from clefserve.model.weights import load_backbone
@@ -35,17 +35,37 @@ def _drain(scheduler: Scheduler) -> tuple[list[list[tuple[str, int]]], list[str]
     return steps, finished
 
 
-def test_budget_is_spent_in_admission_order_and_long_records_are_chunked():
+def test_budget_goes_to_the_shortest_remaining_work_and_long_records_are_chunked():
     scheduler = _scheduler(budget=16)
     for n, name in [(40, "long"), (5, "a"), (3, "b"), (20, "c")]:
         scheduler.add(_seq(n, name))
     steps, finished = _drain(scheduler)
     assert all(sum(n for _, n in step) <= 16 for step in steps)
-    assert steps[0] == [("long", 16)]
-    assert steps[2] == [("long", 8), ("a", 5), ("b", 3)]  # the long record's last chunk shares its step
-    assert steps[3] == [("c", 16)] and steps[4] == [("c", 4)]
-    assert finished == ["long", "a", "b", "c"]
+    assert steps[0] == [("b", 3), ("a", 5), ("long", 8)]  # short records first, the rest to the long one
+    assert steps[1] == [("c", 16)]  # c (20 left) goes before long (32 left)
+    assert steps[2] == [("c", 4), ("long", 12)]
+    assert steps[3:] == [[("long", 16)], [("long", 4)]]
+    assert finished == ["b", "a", "c", "long"]
     assert scheduler.blocks.num_free == 64 and scheduler.slots.num_free == 3
+
+
+def test_a_long_record_is_never_passed_over_more_than_the_starvation_limit():
+    scheduler = _scheduler(blocks=1000, slots=3, block_size=4, budget=8)
+    scheduler.add(_seq(64, "long"))
+    waited, longest, i = 0, 0, 0
+    while any(s.payload == "long" for s in [*scheduler.running, *scheduler.waiting]):
+        while len(scheduler.waiting) < 2:  # short records keep coming and would fill every step
+            scheduler.add(_seq(4, f"s{i}"))
+            i += 1
+        plan = scheduler.schedule()
+        if any(s.payload == "long" for s, _ in plan.chunks):
+            waited = 0
+        else:
+            waited += 1
+            longest = max(longest, waited)
+        scheduler.complete(plan)
+        assert i < 500, "the long record never finished"
+    assert 0 < longest <= STARVATION_STEPS
 
 
 def test_head_of_queue_is_never_overtaken():
@@ -54,10 +74,12 @@ def test_head_of_queue_is_never_overtaken():
     scheduler.add(_seq(36, "long"))  # 9 blocks: must wait for s0
     for i in range(1, 6):
         scheduler.add(_seq(4, f"s{i}"))  # 1 block each, would fit beside s0
-    plan = scheduler.schedule()
-    assert [s.payload for s in plan.admitted] == ["s0"]
-    finished = [s.payload for s in scheduler.complete(plan)] + _drain(scheduler)[1]
-    assert finished.index("long") < finished.index("s1")
+    admitted = []
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        admitted += [s.payload for s in plan.admitted]
+        scheduler.complete(plan)
+    assert admitted == ["s0", "long", "s1", "s2", "s3", "s4", "s5"]
 
 
 def test_cancel_frees_what_a_sequence_holds():

@@ -69,15 +69,18 @@ class PagedCache:
         all_v = self.kv.v[index].index_select(0, s.blocks).view(shape)[: s.total]
         return all_k, all_v
 
-    def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        s = self.seqs[seq]
-        if s.past == 0:
-            return None, None
+    def linear_states(self, layer: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         index = self.gdn_index[layer]
-        return self.states.conv[s.slot, index], self.states.recurrent[s.slot, index]
+        conv: list[torch.Tensor | None] = []
+        recurrent: list[torch.Tensor | None] = []
+        for s in self.seqs:
+            fresh = s.past == 0  # a fresh slot holds garbage (even NaN): never read it
+            conv.append(None if fresh else self.states.conv[s.slot, index])
+            recurrent.append(None if fresh else self.states.recurrent[s.slot, index])
+        return conv, recurrent
 
-    def store_linear_state(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        s = self.seqs[seq]
+    def store_linear_states(self, layer: int, conv: list[torch.Tensor], recurrent: torch.Tensor) -> None:
         index = self.gdn_index[layer]
-        self.states.conv[s.slot, index].copy_(conv)
-        self.states.recurrent[s.slot, index].copy_(recurrent)
+        for s, c, r in zip(self.seqs, conv, recurrent, strict=True):
+            self.states.conv[s.slot, index].copy_(c)
+            self.states.recurrent[s.slot, index].copy_(r)

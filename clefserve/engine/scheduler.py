@@ -3,8 +3,9 @@
 - FIFO waiting queue: the head is admitted when a GDN slot and all the KV blocks its record needs are free;
   nothing behind a head that does not fit yet is admitted before it (no starvation).
 - At most ``max_num_seqs`` running. All blocks are reserved at admission, so prefill never preempts.
-- Each step spends ``token_budget`` tokens over the running sequences in admission order: a long record runs
-  as several chunks, and the budget its last chunk leaves goes to the sequences beside it.
+- Each step spends ``token_budget`` tokens over the running sequences, shortest remaining work first, so a
+  short record is not stuck behind a long one; a long record runs as several chunks. A running sequence
+  that got no tokens for ``STARVATION_STEPS`` steps in a row goes first (oldest first), so none starves.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
   blocks; cache-only blocks count as room, evicted when needed); a chunk never runs past the sequence's
   next snapshot point, and the snapshot is taken right after the step that reaches it. A waiting sequence
@@ -31,6 +32,9 @@ from clefserve.engine.state_pool import SlotAllocator
 from clefserve.errors import RequestError
 
 log = logging.getLogger(__name__)
+
+# A running sequence passed over this many steps in a row is served first in the next one.
+STARVATION_STEPS = 4
 
 
 @dataclass
@@ -116,18 +120,26 @@ class Scheduler:
                 break  # the head waits for room; nobody overtakes it
             del self.waiting[i]
         budget = self.token_budget
-        for seq in self.running:
-            if budget == 0:
-                break
-            if seq.cancel_requested:
-                continue
+        for seq in self._by_priority():
             n = min(seq.num_pending, budget)
             if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
                 n = min(n, seq.prefix.points[0] - seq.num_computed)
-            if n > 0:
+            if n > 0 and budget > 0:
                 plan.chunks.append((seq, n))
                 budget -= n
+                seq.steps_passed_over = 0
+            else:
+                seq.steps_passed_over += 1
         return plan
+
+    def _by_priority(self) -> list[Sequence]:
+        """Running sequences in the order they get tokens: starved ones (oldest first), then the rest by
+        remaining work (ties in admission order)."""
+        live = [seq for seq in self.running if not seq.cancel_requested]
+        starved = [seq for seq in live if seq.steps_passed_over >= STARVATION_STEPS]
+        rest = sorted((seq for seq in live if seq.steps_passed_over < STARVATION_STEPS),
+                      key=lambda seq: seq.num_pending)
+        return starved + rest
 
     def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
         """Reserve what ``seq`` needs (resuming from the cache when it can); False when there is no room."""

@@ -55,6 +55,7 @@ class Sequence:
         self.block_table_tensor: torch.Tensor | None = None  # on the model's device
         self.first_block: int | None = None  # set when the block table is one run of adjacent blocks
         self.slot: int | None = None
+        self.steps_passed_over = 0  # consecutive steps this running sequence got no tokens (scheduler)
         self.hidden: torch.Tensor | None = None  # [num_prompt_tokens, H] when keep_hidden
         # time.perf_counter() stamps for latency metrics: queued, admitted (first step), last token run
         self.submitted_at = time.perf_counter()

@@ -22,13 +22,14 @@ class ForwardCache(Protocol):
         """Store ``k, v [T, Hkv, D]`` of the new tokens; return K/V of all positions ``[past+T, Hkv, D]``."""
         ...
 
-    def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Conv state ``[kernel-1, C]`` and fp32 recurrent state ``[HV, K, V]``; None at a sequence start."""
+    def linear_states(self, layer: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each sequence's conv state ``[kernel-1, C]`` and fp32 recurrent state ``[HV, K, V]``; None for a
+        sequence that starts in this forward."""
         ...
 
-    def store_linear_state(
-        self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor
-    ) -> None: ...
+    def store_linear_states(self, layer: int, conv: list[torch.Tensor], recurrent: torch.Tensor) -> None:
+        """The states after the new tokens: conv per sequence, recurrent ``[B, HV, K, V]``."""
+        ...
 
 
 @dataclass
@@ -65,10 +66,11 @@ class DenseCache:
         state.kv[layer] = (k, v)
         return k, v
 
-    def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        state = self.states[seq]
-        return state.conv.get(layer), state.recurrent.get(layer)
+    def linear_states(self, layer: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        return ([state.conv.get(layer) for state in self.states],
+                [state.recurrent.get(layer) for state in self.states])
 
-    def store_linear_state(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.states[seq].conv[layer] = conv
-        self.states[seq].recurrent[layer] = recurrent
+    def store_linear_states(self, layer: int, conv: list[torch.Tensor], recurrent: torch.Tensor) -> None:
+        for state, c, r in zip(self.states, conv, recurrent, strict=True):
+            state.conv[layer] = c
+            state.recurrent[layer] = r

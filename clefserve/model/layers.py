@@ -15,7 +15,7 @@ from torch import nn
 
 from clefserve.model.cache import ForwardCache
 from clefserve.model.config import BackboneConfig
-from clefserve.model.ops import Ops
+from clefserve.model.ops import Ops, gemm
 
 
 @dataclass(frozen=True)
@@ -48,24 +48,15 @@ class Batch:
 
 
 class Linear(nn.Linear):
-    """A bias-free projection whose rows do not depend on how many rows share the call.
-
-    CPU GEMM libraries switch kernels for very small row counts, which changes the rounding of a row
-    depending on what it was batched with. Padding such calls to ``MIN_ROWS`` rows keeps every row's
-    result identical across chunkings and batch compositions (the engine's batch invariance rests on it).
-    """
-
-    MIN_ROWS = 16
+    """A bias-free projection through :func:`clefserve.model.ops.gemm.linear`: a row's result does not
+    depend on how many rows share the call, and low-precision weights compute in fp32 on CPUs without fast
+    low-precision GEMMs."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() == 2 and rows < self.MIN_ROWS and x.device.type == "cpu":
-            padded = torch.cat((x, x.new_zeros(self.MIN_ROWS - rows, x.shape[1])))
-            return F.linear(padded, self.weight)[:rows]
-        return F.linear(x, self.weight)
+        return gemm.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -188,25 +179,29 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         beta, g = self._gates(self.in_proj_b(x), self.in_proj_a(x))
         weight = self.conv1d.weight[:, 0, :]
-        core = x.new_empty(rows, self.v_heads, self.v_dim)
+        conv_states, recurrent_states = cache.linear_states(self.layer)
+        starts = [past == 0 for past in batch.past_lens]  # a sequence's first tokens start from zeros
+        fresh = x.new_zeros(self.v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        recurrent = torch.stack([fresh if new or r is None else r
+                                 for new, r in zip(starts, recurrent_states, strict=True)])
+        qkv = torch.empty_like(mixed)
+        new_conv_states = []
         for seq, start, end in batch.spans():
-            conv_state, recurrent = cache.linear_state(self.layer, seq)
-            if batch.past_lens[seq] == 0:
-                conv_state, recurrent = None, None
-            qkv, conv_state = self.ops.causal_conv1d(mixed[start:end], weight, conv_state)
-            n = end - start
-            q, k, v = torch.split(qkv, [self.key_width, self.key_width, self.value_width], dim=-1)
-            out, recurrent = self.ops.gated_delta_rule(
-                q.reshape(n, self.k_heads, self.k_dim),
-                k.reshape(n, self.k_heads, self.k_dim),
-                v.reshape(n, self.v_heads, self.v_dim),
-                g[start:end],
-                beta[start:end],
-                recurrent,
-                batch.past_lens[seq],
-            )
-            cache.store_linear_state(self.layer, seq, conv_state, recurrent)
-            core[start:end] = out
+            carried = None if starts[seq] else conv_states[seq]
+            qkv[start:end], state = self.ops.causal_conv1d(mixed[start:end], weight, carried)
+            new_conv_states.append(state)
+        q, k, v = torch.split(qkv, [self.key_width, self.key_width, self.value_width], dim=-1)
+        core, recurrent = self.ops.gated_delta_rule(
+            q.reshape(rows, self.k_heads, self.k_dim),
+            k.reshape(rows, self.k_heads, self.k_dim),
+            v.reshape(rows, self.v_heads, self.v_dim),
+            g,
+            beta,
+            recurrent,
+            batch.seq_lens,
+            batch.past_lens,
+        )
+        cache.store_linear_states(self.layer, new_conv_states, recurrent)
         normed = self.norm(core, z.view(rows, self.v_heads, self.v_dim))
         return self.out_proj(normed.reshape(rows, self.value_width))
 

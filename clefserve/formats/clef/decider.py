@@ -14,6 +14,8 @@ from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
 from clefserve.model.inputs import SequenceInputs
+from clefserve.model.ops import gemm
+from clefserve.model.ops.select import select_ops
 from clefserve.model.weights import load_backbone
 from clefserve.vision.inputs import ImageLimits
 from clefserve.vision.release import ReleaseImages
@@ -26,15 +28,23 @@ class ClefDecider:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_length: int = DEFAULT_MAX_LENGTH,
+        kernels: str = "auto",
         image_limits: ImageLimits | None = None,
         image_cache_bytes: int = 256 << 20,
     ) -> None:
+        """``kernels``: ``auto``/``fast`` picks the fastest ops for the device, ``reference`` the plain
+        torch ops (:mod:`clefserve.model.ops.select`). ``image_limits``, ``image_cache_bytes``: requests
+        with images, for a release with a vision tower."""
         self.folder = Path(folder)
         self.backbone = load_backbone(self.folder, dtype, device)
-        self.head = load_head(self.folder, dtype, device, hidden_size=self.backbone.config.hidden_size)
+        self.backbone.set_ops(select_ops(self.backbone.device, dtype, kernels))
+        # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
+        head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
+        self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
         self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        # like the head, the vision tower computes in fp32 where low-precision GEMMs are slow
         self.images, self.images_refused = ReleaseImages.load(
-            self.folder, self.encoder.vision_token_ids(), dtype, device, image_limits, image_cache_bytes
+            self.folder, self.encoder.vision_token_ids(), head_dtype, device, image_limits, image_cache_bytes
         )
 
     @property

@@ -172,7 +172,31 @@ def gated_delta_rule(
     state: torch.Tensor | None,
     past: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Picks the recurrent form for a few tokens and the chunked form for many."""
+    """One sequence: the recurrent form for a few tokens and the chunked form for many."""
     if q.shape[0] <= 4:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)
     return chunk_gated_delta_rule(q, k, v, g, beta, state, past)
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    past_lens: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new tokens side by side (rows of sequence ``i`` follow those of ``i - 1``), each
+    from its own state ``initial [B, HV, K, V]`` (zeros for a sequence that starts here): the reference,
+    one :func:`gated_delta_rule` call per sequence. Returns ``(o [N, HV, V], final states [B, HV, K, V])``."""
+    outs, finals, start = [], [], 0
+    for i, (n, past) in enumerate(zip(seq_lens, past_lens, strict=True)):
+        end = start + n
+        out, final = gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
+                                      beta[start:end], initial[i], past)
+        outs.append(out)
+        finals.append(final)
+        start = end
+    return torch.cat(outs), torch.stack(finals)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from clefserve.model.ops import attention, conv, delta_rule, norms, rope
 
@@ -16,8 +16,18 @@ class Ops:
     rope_tables: Callable = rope.rope_tables
     apply_rope: Callable = rope.apply_rope
     causal_conv1d: Callable = conv.causal_conv1d
-    gated_delta_rule: Callable = delta_rule.gated_delta_rule
+    gated_delta_rule: Callable = delta_rule.gated_delta_rule_varlen
     causal_attention: Callable = attention.causal_attention
+
+    def kernels(self) -> dict[str, str]:
+        """Which implementation each op uses (for the startup log and the model card)."""
+        out = {}
+        for field in fields(self):
+            if field.name != "name":
+                fn = getattr(self, field.name)
+                module = getattr(fn, "__module__", "") or ""
+                out[field.name] = f"{module.removeprefix('clefserve.model.ops.')}.{fn.__qualname__}"
+        return out
 
 
 def reference_ops() -> Ops:

@@ -1,0 +1,233 @@
+"""Where the server's time goes: a real workload through the HTTP server, with the share of wall time spent in
+each part of the work.
+
+    python -m benchmarks.profile [--dtype f32] [--concurrency 8] [--requests 8] [--shape clef256]
+
+The server (FastAPI + engine + Clef head) runs in this process on a loopback port; a separate client process
+sends the workload (half ~``--short``-token and half ~``--long``-token records with fresh states, as
+``benchmarks.systemone``) with ``--concurrency`` requests in flight. Timers wrap each part:
+
+- engine thread: projection/MLP GEMMs (``Linear``), attention, the delta rule, the causal conv, norms and
+  rotary, the rest of the layer work (gates, activations, residual adds, K/V and state copies), the decision
+  head and answer shaping, scheduler bookkeeping, and idle (waiting for work);
+- request side: record encoding (worker threads) and the event loop's CPU time (HTTP, JSON, validation).
+
+Shares are of the measured wall time. The engine thread's parts add up to 100%; the request side runs on
+other threads, concurrently (on a 2-core machine it takes cores from the engine). Op timers synchronise
+CUDA when the model runs there, so a GPU profile shows where launches wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clefserve.config import DTYPES, EngineConfig
+from clefserve.model import layers
+from clefserve.testing.server_process import free_port
+
+ENGINE_PARTS = ("GEMMs (projections, MLP)", "attention", "delta rule", "causal conv", "norms + rotary",
+                "other layer work", "decision head + answers", "scheduler + bookkeeping", "idle + untimed")
+OP_PARTS = {"causal_attention": "attention", "gated_delta_rule": "delta rule", "causal_conv1d": "causal conv",
+            "rms_norm": "norms + rotary", "gated_rms_norm": "norms + rotary", "rope_tables": "norms + rotary",
+            "apply_rope": "norms + rotary"}
+
+
+class Timers:
+    """Wall seconds per part; nested timers count only in the innermost part (``exclusive``)."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.sync = sync
+        self._local = threading.local()
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        self.sync()
+        start = time.perf_counter()
+        stack.append(0.0)
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed = time.perf_counter() - start
+            inner = stack.pop()
+            self.seconds[name] += elapsed - inner
+            if stack:
+                stack[-1] += elapsed
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.part(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+def instrument(backend: Any, timers: Timers) -> None:
+    """Wrap the engine's parts of ``backend`` (an EngineBackend) with ``timers``."""
+    engine, decider = backend.engine, backend.decider
+    model = decider.backbone
+    ops = model.ops
+    model.set_ops(dataclasses.replace(
+        ops, **{field: timers.wrap(part, getattr(ops, field)) for field, part in OP_PARTS.items()}))
+    layers.Linear.forward = timers.wrap(ENGINE_PARTS[0], layers.Linear.forward)
+    engine.runner.run = timers.wrap("other layer work", engine.runner.run)
+    engine.runner.prepare = timers.wrap("scheduler + bookkeeping", engine.runner.prepare)
+    engine.finish = timers.wrap("decision head + answers", engine.finish)
+    for name in ("schedule", "complete"):
+        setattr(engine.scheduler, name, timers.wrap("scheduler + bookkeeping",
+                                                    getattr(engine.scheduler, name)))
+    decider.encode = timers.wrap("record encoding", decider.encode)
+
+
+def serve_in_thread(backend: Any, config: EngineConfig) -> tuple[Any, threading.Thread, dict]:
+    import uvicorn
+
+    from clefserve.server import create_app
+
+    app = create_app(backend, config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_config=None,
+                                           access_log=False, log_level="warning"))
+    loop_info: dict[str, Any] = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        loop_info["loop"] = loop
+        loop.run_until_complete(server.serve())
+
+    thread = threading.Thread(target=run, name="http", daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, loop_info
+
+
+def loop_cpu_seconds(loop: asyncio.AbstractEventLoop) -> float:
+    """CPU seconds used so far by the thread that runs ``loop``."""
+    done = threading.Event()
+    box: dict[str, float] = {}
+
+    def read() -> None:
+        box["t"] = time.thread_time()
+        done.set()
+
+    loop.call_soon_threadsafe(read)
+    done.wait(10)
+    return box["t"]
+
+
+CLIENT = """
+import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
+import httpx
+url, concurrency = sys.argv[1], int(sys.argv[2])
+requests = json.load(sys.stdin)
+with httpx.Client(base_url=url, timeout=600) as client:
+    def call(body):
+        t = time.perf_counter()
+        r = client.post("/v1/systemone", json=body)
+        r.raise_for_status()
+        return time.perf_counter() - t
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        latencies = list(pool.map(call, requests))
+    print(json.dumps({"wall": time.perf_counter() - start, "latencies": latencies}))
+"""
+
+
+def run_client(url: str, requests: list[dict], concurrency: int) -> dict:
+    result = subprocess.run([sys.executable, "-c", CLIENT, url, str(concurrency)], input=json.dumps(requests),
+                            capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.shapes import SHAPES, build_shape
+    from benchmarks.systemone import make_request
+    from clefserve.formats.clef import ClefDecider
+    from clefserve.formats.clef.engine_backend import EngineBackend
+
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--dtype", default="f32", choices=sorted(DTYPES))
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=8, help="requests in the workload (half short)")
+    parser.add_argument("--short", type=int, default=400)
+    parser.add_argument("--long", type=int, default=3000)
+    parser.add_argument("--shape", default="clef256", choices=sorted(SHAPES))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--prefill-chunk-size", type=int, default=1024)
+    parser.add_argument("--no-prefix-cache", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import random
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_shape(args.shape, Path(tmp) / "release")
+        decider = ClefDecider(folder, DTYPES[args.dtype])
+        config = EngineConfig(dtype=args.dtype, port=free_port(), max_num_seqs=args.max_num_seqs,
+                              prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=1024,
+                              prefix_cache=not args.no_prefix_cache)
+        backend = EngineBackend(decider, config, "bench")
+        server, thread, loop_info = serve_in_thread(backend, config)
+        url = f"http://127.0.0.1:{config.port}"
+        rng = random.Random(0)
+        lengths = [args.long if i % 2 else args.short for i in range(args.requests)]
+        warm = [make_request(decider.encoder, args.short, rng), make_request(decider.encoder, args.long, rng)]
+        requests = [make_request(decider.encoder, n, rng) for n in lengths]
+        rng.shuffle(requests)
+        run_client(url, warm, 2)
+
+        timers = Timers(torch.cuda.synchronize if decider.backbone.device.type == "cuda" else lambda: None)
+        instrument(backend, timers)
+        loop = loop_info["loop"]
+        loop_before = loop_cpu_seconds(loop)
+        stats_before = backend.engine.stats()
+        result = run_client(url, requests, args.concurrency)
+        loop_cpu = loop_cpu_seconds(loop) - loop_before
+        stats = backend.engine.stats()
+        server.should_exit = True
+        thread.join(30)
+
+    wall = result["wall"]
+    seconds = dict(timers.seconds)
+    busy = sum(seconds.get(p, 0.0) for p in ENGINE_PARTS[:-1])
+    seconds["idle + untimed"] = max(0.0, wall - busy)
+    tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
+    latencies = sorted(result["latencies"])
+    print(f"# shape {args.shape}, {args.dtype}, {args.threads} threads, concurrency {args.concurrency}, "
+          f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "
+          f"prefix cache {'off' if args.no_prefix_cache else 'on'}")
+    print(f"wall {wall:.2f} s, {len(latencies) / wall:.2f} req/s, {tokens / wall:.0f} computed tok/s, "
+          f"p50 {latencies[len(latencies) // 2]:.2f} s, steps {stats['steps'] - stats_before['steps']}")
+    print(f"{'engine thread':<28} {'seconds':>8} {'share':>7}")
+    for part in ENGINE_PARTS:
+        print(f"  {part:<26} {seconds.get(part, 0.0):8.3f} {100 * seconds.get(part, 0.0) / wall:6.1f}%")
+    print(f"{'request side (other threads)':<28}")
+    for part, value in (("record encoding", seconds.get("record encoding", 0.0)),
+                        ("HTTP + JSON (event loop CPU)", loop_cpu)):
+        print(f"  {part:<26} {value:8.3f} {100 * value / wall:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

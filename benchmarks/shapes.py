@@ -1,0 +1,22 @@
+"""The benchmark model shapes, built as random Clef releases (``clefserve.testing.release``).
+
+- ``clef256``: Clef's proportions at hidden 256 (8 layers, 3 Gated DeltaNet : 1 attention); at this width the
+  work around the GEMMs (attention over chunks, the delta rule, elementwise ops, per-request overhead)
+  decides the speed, as on the demo model.
+- ``qwen9b-2048``: Qwen3.5-9B's proportions scaled down evenly to hidden 2048 (GDN 8 key / 16 value heads of
+  128, attention 8 query / 2 KV heads of 256, FFN 3x hidden, 3 GDN : 1 attention) with 4 layers; GEMMs
+  dominate, as on the real model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clefserve.testing.release import build_release, clef_shaped_spec
+
+SHAPES = {"clef256": (256, 8), "qwen9b-2048": (2048, 4)}
+
+
+def build_shape(name: str, folder: Path, seed: int = 0) -> Path:
+    hidden, layers = SHAPES[name]
+    return build_release(folder, clef_shaped_spec(hidden, layers), seed=seed)
