@@ -4,6 +4,7 @@ server answers the next request; a good request with pictures answers like the o
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import json
@@ -128,11 +129,33 @@ def test_hostile_images_are_refused_quickly_and_nothing_is_fetched_or_read(clien
     print("hostile inputs, seconds each: " + ", ".join(f"{n} {t:.3f}" for n, t in times))
 
 
-def test_request_with_images_and_the_body_limit(client):
+def test_request_with_images_and_the_body_limit(client, monkeypatch):
+    """Four pictures in one request; decoding and the vision tower run off the event loop."""
+    import clefserve.vision.inputs as inputs_module
+    from clefserve.vision.encoder import VisionEncoder
+
+    on_loop: list[str] = []
+    called: list[str] = []
+
+    def off_the_loop(fn):
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            called.append(fn.__name__)
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(fn.__name__)
+            except RuntimeError:  # no event loop in this thread: a worker thread
+                pass
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(inputs_module, "decode_image", off_the_loop(inputs_module.decode_image))
+    monkeypatch.setattr(VisionEncoder, "_encode", off_the_loop(VisionEncoder._encode))
     settings = config()
     pictures = [as_data_url(file_bytes(picture(40 + 10 * i, 30, seed=i), "PNG"), "PNG") for i in range(4)]
     response = client.post("/v1/systemone", json=body(pictures))
     assert response.status_code == 200, response.text
+    assert on_loop == [] and called.count("decode_image") == 4 and called.count("_encode") == 4
     usage = response.json()["usage"]
     assert usage["input_tokens"] > 4 * 4
     # a body far above --max-body-bytes is fine when the excess is images within their own limit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +12,9 @@ from clefserve.vision.decode import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
 from clefserve.vision.preprocess import ImagePatches, PreprocessorConfig, preprocess
 
 DEFAULT_MAX_IMAGES = 4
+# Pictures decoded at once, whatever the number of requests: a 40 MP picture takes ~0.4 GB while it is
+# decoded, turned upright and converted, so this bounds that memory (the tower has its own lock).
+DECODE_CONCURRENCY = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class ImageInputs:
     def __init__(self, preprocessor: PreprocessorConfig, limits: ImageLimits | None = None) -> None:
         self.preprocessor = preprocessor
         self.limits = limits or ImageLimits()
+        self._decoding = threading.BoundedSemaphore(DECODE_CONCURRENCY)
 
     def prepare(self, images: Any) -> list[PreparedImage]:
         """Decode and preprocess every entry; the first bad one raises a RequestError naming it."""
@@ -55,7 +61,8 @@ class ImageInputs:
         entries = check_image_list(images, limits.max_images)
         prepared = []
         for index, entry in enumerate(entries):
-            decoded = decode_image(entry, index, limits.max_pixels, limits.max_bytes)
-            patches = preprocess(decoded.image, self.preprocessor, f"images[{index}]")
+            with self._decoding:
+                decoded = decode_image(entry, index, limits.max_pixels, limits.max_bytes)
+                patches = preprocess(decoded.image, self.preprocessor, f"images[{index}]")
             prepared.append(PreparedImage(decoded.digest, patches, self.preprocessor.merge_size))
         return prepared

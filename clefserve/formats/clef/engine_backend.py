@@ -8,6 +8,7 @@ engine's thread. A client that disconnects has its sequence cancelled, which fre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -223,7 +224,9 @@ class EngineBackend:
     @staticmethod
     def _prepare(decider: ClefDecider, body: dict[str, Any]) -> tuple[EncodedRecord, SequenceInputs | None]:
         record = decider.encode(body)
-        return record, decider.inputs(record)
+        inputs = decider.inputs(record)
+        # the pictures' pixels are in the tower's rows now; do not hold them while the request runs
+        return (dataclasses.replace(record, prepared_images=()) if record.images else record), inputs
 
     # ---- on the engine's thread ----
 
