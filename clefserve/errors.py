@@ -16,3 +16,8 @@ class RequestError(ValueError):
         self.message = message
         self.status = status
         self.error_type = error_type
+
+
+class StartupError(RuntimeError):
+    """The server cannot start as configured (device, dtype, kernels, memory); the message says why and
+    states the sizes or settings involved."""

@@ -12,8 +12,9 @@ from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.device import check_dtype, device_facts
 from clefserve.model.ops import gemm
-from clefserve.model.ops.select import select_ops
+from clefserve.model.ops.select import OpShapes, select_ops
 from clefserve.model.weights import load_backbone
 
 
@@ -29,8 +30,11 @@ class ClefDecider:
         """``kernels``: ``auto``/``fast`` picks the fastest ops for the device, ``reference`` the plain
         torch ops (:mod:`clefserve.model.ops.select`)."""
         self.folder = Path(folder)
+        facts = device_facts(torch.device(device))
+        check_dtype(facts, dtype)  # before loading: a V100 refuses bf16 at once
         self.backbone = load_backbone(self.folder, dtype, device)
-        self.backbone.set_ops(select_ops(self.backbone.device, dtype, kernels))
+        shapes = OpShapes.from_config(self.backbone.config)
+        self.backbone.set_ops(select_ops(self.backbone.device, dtype, kernels, shapes, facts))
         # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
         head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
