@@ -231,7 +231,7 @@ def test_a_release_that_does_not_fit_the_device_fails_at_startup_stating_sizes()
     assert "activation peak 12.00 GiB" in str(err.value) and "32.0 GiB" in str(err.value)
     # room left, but a fixed KV size plus the GDN slots exceed it
     roomy = MemoryBudget(16 * GIB, "cuda:0 Tesla V100-SXM2-32GB", weights, 0, 2 * GIB, 1 * GIB, 32 * GIB)
-    with pytest.raises(StartupError, match=r"KV pool 12\.\d+ GiB .* GDN state pool .*8 slots"):
-        plan_pools(NINE_B, _config(kv_cache_mb=12 * 1024), torch.float16, torch.device("cuda", 0), roomy)
+    with pytest.raises(StartupError, match=r"KV pool 12\.80 GiB .* GDN state pool .*8 slots"):
+        plan_pools(NINE_B, _config(kv_cache_mb=13107), torch.float16, torch.device("cuda", 0), roomy)
     plan = plan_pools(NINE_B, config, torch.float16, torch.device("cuda", 0), roomy)
     assert plan.kv_bytes + plan.gdn_bytes + plan.prefix_cache_bytes <= roomy.usable_bytes
