@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from clefserve.errors import NonFiniteError, all_finite
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
@@ -70,7 +71,11 @@ class ClefDecider:
             self.backbone.run_sequence(torch.tensor(record.input_ids, dtype=torch.long))[0]
             for record in records
         ]
+        if not all_finite(hiddens):
+            raise NonFiniteError("the hidden states")
         logits = self.logits(hiddens, records)
+        if not all(all_finite(list(record_logits)) for record_logits in logits):
+            raise NonFiniteError("the decision head's logits")
         return [
             self.answer(request, record, record_logits, raw)
             for request, record, record_logits in zip(requests, records, logits, strict=True)
