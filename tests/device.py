@@ -41,3 +41,17 @@ def on_cpu() -> bool:
 def tolerance(fp32: float) -> float:
     """The test's fp32 tolerance, or the dtype's when the tests run in f16/bf16."""
     return max(fp32, DTYPE_TOLERANCE.get(_DTYPE, 0.0))
+
+
+def limit(want: torch.Tensor, fp32: float) -> float:
+    """The allowed max |got - want|: the test's fp32 tolerance, or in f16/bf16 the dtype's, relative to the
+    size of the values (hidden rows after the final norm are a few units)."""
+    if dtype() == torch.float32:
+        return fp32
+    return max(fp32, DTYPE_TOLERANCE[_DTYPE]) * max(1.0, want.float().abs().max().item())
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, fp32: float, what: str = "") -> None:
+    diff = (got.float() - want.float().to(got.device)).abs().max().item()
+    allowed = limit(want, fp32)
+    assert diff <= allowed, f"{what} max |diff| {diff:.3g} > {allowed:.3g} ({_DTYPE}, {_DEVICE})"
