@@ -13,6 +13,7 @@ from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.backbone import Backbone
 from clefserve.model.device import check_dtype, device_facts
 from clefserve.model.ops import gemm
 from clefserve.model.ops.select import OpShapes, select_ops
@@ -40,6 +41,22 @@ class ClefDecider:
         head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
         self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+
+    @classmethod
+    def with_backbone(cls, folder: str | Path, backbone: Backbone, max_length: int = DEFAULT_MAX_LENGTH,
+                      kernels: str = "auto") -> ClefDecider:
+        """The release's head and encoder around a backbone built elsewhere (benchmarks build a 9B-shaped
+        random backbone directly on the GPU instead of writing and reading 18 GB of safetensors)."""
+        self = cls.__new__(cls)
+        self.folder = Path(folder)
+        self.backbone = backbone
+        dtype, device = backbone.dtype, backbone.device
+        shapes = OpShapes.from_config(backbone.config)
+        backbone.set_ops(select_ops(device, dtype, kernels, shapes))
+        head_dtype = gemm.compute_dtype(device, dtype)
+        self.head = load_head(self.folder, head_dtype, device, hidden_size=backbone.config.hidden_size)
+        self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        return self
 
     def encode(self, request: dict[str, Any]) -> EncodedRecord:
         return self.encoder.encode(request)
