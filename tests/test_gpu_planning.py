@@ -235,3 +235,13 @@ def test_a_release_that_does_not_fit_the_device_fails_at_startup_stating_sizes()
         plan_pools(NINE_B, _config(kv_cache_mb=13107), torch.float16, torch.device("cuda", 0), roomy)
     plan = plan_pools(NINE_B, config, torch.float16, torch.device("cuda", 0), roomy)
     assert plan.kv_bytes + plan.gdn_bytes + plan.prefix_cache_bytes <= roomy.usable_bytes
+
+
+def test_the_command_refuses_fast_kernels_on_a_cpu_at_once(monkeypatch, capsys):
+    from clefserve.cli import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["verify", "--kernels", "fast"])
+    assert exit_.value.code == 2
+    assert "--kernels fast on a CPU" in capsys.readouterr().err
