@@ -79,6 +79,24 @@ def release_folder(config: EngineConfig, parser: argparse.ArgumentParser) -> tup
     return folder, config.served_model_name or folder.resolve().name
 
 
+def preflight(config: EngineConfig, parser: argparse.ArgumentParser) -> None:
+    """Refuse at once, before anything loads, what this device cannot do: ``--dtype bf16`` on a GPU without
+    bf16 (a V100), ``--kernels fast`` on a CPU without Triton's interpreter and fla."""
+    from clefserve.errors import StartupError
+    from clefserve.model.device import check_dtype, device_facts
+    from clefserve.model.ops.select import fla_unavailable
+
+    try:
+        facts = device_facts(config.torch_device)
+        check_dtype(facts, config.torch_dtype)
+        if config.kernels == "fast" and not facts.is_cuda:
+            why = fla_unavailable(facts, config.torch_dtype)
+            if why is not None:
+                raise StartupError(f"--kernels fast on a CPU: {why}; --kernels auto takes the CPU ops")
+    except StartupError as exc:
+        parser.exit(2, f"clef-serve: error: {exc}\n")
+
+
 def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     """The release with the ops it will serve with (a fault injected on purpose only through
     ``CLEF_FAULT_ZERO_CONV_BAND``, for tests that prove the self-check catches it)."""
@@ -109,6 +127,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     config = EngineConfig.from_args(args)
     folder, name = release_folder(config, parser)
+    preflight(config, parser)
     configure_logging(config.log_level)
     decider = serving_decider(folder, config, config.torch_device)
     backend = EngineBackend(decider, config, name)
@@ -183,6 +202,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         device = config.torch_device
     except ValueError:
         parser.error(f"--d {config.device!r}: expected 'cpu' or a GPU index such as 0")
+    preflight(config, parser)
     configure_logging(config.log_level)
     if config.weights is None:
         log.warning("no --w given: serving the embedded demo model %s, a tiny support-ticket triage model "

@@ -95,7 +95,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=sorted(DTYPES),
         default=d.dtype,
-        help="weight and activation dtype; recurrent state stays fp32 (default: %(default)s)",
+        help="weight and activation dtype; gates, norms and the recurrent state stay fp32; f16 for a V100, "
+        "which has no bf16 (refused there at startup) (default: %(default)s)",
     )
     model.add_argument(
         "--served-model-name",
@@ -162,8 +163,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kernels",
         choices=["auto", "fast", "reference"],
         default=d.kernels,
-        help="op implementations: the fastest this device supports (auto, fast) or the plain torch "
-        "reference ops (reference); the startup log lists the choice per op (default: %(default)s)",
+        help="op implementations: auto = the fastest this device supports, falling back op by op to the "
+        "torch ops (on a GPU: flash-linear-attention's Triton kernels and fused SDPA attention, each probed "
+        "against the reference first); fast = the fused kernels or a startup error (on a CPU: fla under "
+        "Triton's interpreter, TRITON_INTERPRET=1, for tests); reference = the plain torch ops. The startup "
+        "log lists the choice per op and why (default: %(default)s)",
     )
     engine.add_argument(
         "--max-num-seqs",
@@ -178,7 +182,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.kv_fraction,
         metavar="F",
         help="share of the memory left after loading the weights that the paged KV pool takes "
-        "(GPU: free device memory; CPU: available RAM) (default: %(default)s)",
+        "(GPU: free device memory less the activation peak of a warm-up --prefill-chunk-size step; CPU: "
+        "available RAM less the file-mapped weights; both less the hidden rows of --max-num-seqs records) "
+        "(default: %(default)s)",
     )
     engine.add_argument(
         "--kv-cache-mb",

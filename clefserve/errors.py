@@ -16,3 +16,25 @@ class RequestError(ValueError):
         self.message = message
         self.status = status
         self.error_type = error_type
+
+
+class StartupError(RuntimeError):
+    """The server cannot start as configured (device, dtype, kernels, memory); the message says why and
+    states the sizes or settings involved."""
+
+
+class NonFiniteError(RequestError):
+    """The model computed NaN or Inf for a record (its hidden rows or its head's logits): no answer is made
+    from them. A 500: the request was fine, the numbers were not (an overflow in f16, a broken kernel)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"the model produced non-finite values (NaN or Inf) in {where} for this record; no answer was "
+            "made from them (the server log has the details)",
+            status=500,
+            error_type="non_finite_output",
+        )
+
+
+def all_finite(tensors: list) -> bool:  # list[torch.Tensor]; torch is not imported here
+    return all(bool(t.isfinite().all()) for t in tensors)

@@ -9,8 +9,24 @@ import pytest
 import torch
 
 from clefserve.testing.release import ReleaseSpec, build_release
+from tests import device as test_device
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="torch device of the device-aware tests (cpu, cuda, cuda:1); default cpu")
+    parser.addoption("--dtype", default="f32", choices=["f32", "f16", "bf16"],
+                     help="dtype of the device-aware tests; f16/bf16 use the dtype tolerances (default f32)")
+
+
+def pytest_configure(config):
+    test_device.configure(config.getoption("--device"), config.getoption("--dtype"))
+
+
+def pytest_report_header(config):
+    return f"clef-serve tests on device {test_device.device()}, dtype {test_device.dtype()}"
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from clefserve.model.weights import load_backbone
+from tests import device as test_device
 from tests.backbone_specs import BACKBONE_SPECS
 from tests.kernel_modes import KERNEL_MODES, use_kernels
 from tests.oracles import reference_backbone, reference_text_model
@@ -24,7 +25,9 @@ CASES = [(spec, mode) for spec in sorted(BACKBONE_SPECS) for mode in KERNEL_MODE
 def pair(request, make_release):
     name, mode = request.param
     folder = make_release(BACKBONE_SPECS[name], seed=len(name))
-    return use_kernels(load_backbone(folder), mode), reference_backbone(folder)
+    dtype, device = test_device.dtype(), test_device.device()
+    ours = use_kernels(load_backbone(folder, dtype, device), mode)
+    return ours, reference_backbone(folder, dtype).to(device)
 
 
 @torch.inference_mode()
@@ -33,14 +36,14 @@ def test_hidden_states_and_logits_match_transformers(pair):
     gen = torch.Generator().manual_seed(7)
     for length in LENGTHS:
         ids = torch.randint(0, ours.config.vocab_size, (length,), generator=gen)
-        expected = reference_text_model(ref)(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        expected = reference_text_model(ref)(input_ids=ids[None].to(ours.device),
+                                             use_cache=False).last_hidden_state[0]
         hidden, _ = ours.run_sequence(ids)
-        assert (hidden - expected).abs().max().item() <= TOLERANCE, f"hidden rows differ at length {length}"
+        test_device.assert_close(hidden, expected, TOLERANCE, f"hidden rows at length {length}:")
         ref_logits = ref.lm_head(expected)
-        assert (
-            ours.logits(hidden) - ref_logits
-        ).abs().max().item() <= TOLERANCE * 10 * ref_logits.abs().max()
-        assert (ours.logits(hidden) - ref.lm_head(hidden)).abs().max().item() <= TOLERANCE
+        allowed = test_device.tolerance(TOLERANCE * 10) * ref_logits.float().abs().max()
+        assert (ours.logits(hidden) - ref_logits).float().abs().max().item() <= allowed
+        test_device.assert_close(ours.logits(hidden), ref.lm_head(hidden), TOLERANCE, "lm_head:")
 
 
 @torch.inference_mode()
@@ -61,8 +64,9 @@ def test_every_layer_visibly_changes_the_hidden_state(pair):
 @torch.inference_mode()
 def test_logits_of_a_causal_lm_folder_match(make_release):
     folder = make_release(BACKBONE_SPECS["causal-lm-tied"], seed=len("causal-lm-tied"))
-    ours, ref = load_backbone(folder), reference_backbone(folder)
+    dtype, device = test_device.dtype(), test_device.device()
+    ours, ref = load_backbone(folder, dtype, device), reference_backbone(folder, dtype).to(device)
     ids = torch.randint(0, ours.config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
-    expected = ref(input_ids=ids[None], use_cache=False).logits[0]
+    expected = ref(input_ids=ids[None].to(device), use_cache=False).logits[0]
     hidden, _ = ours.run_sequence(ids)
-    assert (ours.logits(hidden) - expected).abs().max().item() <= TOLERANCE
+    test_device.assert_close(ours.logits(hidden), expected, TOLERANCE, "logits:")

@@ -13,6 +13,7 @@ from clefserve.engine import Engine
 from clefserve.model.cache import DenseCache, SequenceState
 from clefserve.model.layers import Batch
 from clefserve.model.weights import load_backbone
+from tests import device as test_device
 from tests.engine_support import ENGINE_SPECS, keep_hidden, random_ids, small_config
 from tests.kernel_modes import KERNEL_MODES, use_kernels
 
@@ -51,7 +52,7 @@ def _shared_continuations(trace: list[tuple[tuple[int, int], ...]]) -> int:
 @pytest.mark.parametrize("name", sorted(ENGINE_SPECS))
 def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
     """The engine with ``mode``'s ops against one-piece runs with the torch reference ops."""
-    model = load_backbone(make_release(ENGINE_SPECS[name], seed=3))
+    model = load_backbone(make_release(ENGINE_SPECS[name], seed=3), test_device.dtype(), test_device.device())
     seqs, chunk, block = SHAPES[name]
     rng = random.Random(name)
     gen = torch.Generator().manual_seed(len(name))
@@ -65,7 +66,7 @@ def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
         first = _submit_all(engine, records)
         for ids, want, got in zip(records, expected, first, strict=True):
             assert got.shape == (len(ids), model.config.hidden_size)
-            assert (got - want).abs().max().item() <= TOLERANCE
+            test_device.assert_close(got, want, TOLERANCE)
         stats = engine.stats()
         assert stats["multi_seq_steps"] > 0
         assert _shared_continuations(engine.recent_steps()) > 0
@@ -79,7 +80,7 @@ def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
         again = _submit_all(engine, [records[i] for i in order])
         for i, got in zip(order, again, strict=True):
             assert torch.isfinite(got).all()
-            assert (got - expected[i]).abs().max().item() <= TOLERANCE
+            test_device.assert_close(got, expected[i], TOLERANCE)
         stats = engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         assert stats["gdn_slots_free"] == stats["gdn_slots_total"]
@@ -102,7 +103,8 @@ def test_hidden_rows_can_be_skipped(make_release):
 @torch.inference_mode()
 def test_engine_equals_a_dense_replay_of_its_own_steps(make_release, mode):
     """The same batches through the reference DenseCache give the engine's rows: the pools change nothing."""
-    model = use_kernels(load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=3)), mode)
+    folder = make_release(ENGINE_SPECS["two-attn"], seed=3)
+    model = use_kernels(load_backbone(folder, test_device.dtype(), test_device.device()), mode)
     gen = torch.Generator().manual_seed(5)
     records = [random_ids(model.config.vocab_size, n, gen) for n in (70, 3, 1, 33, 64, 5, 20)]
 
@@ -125,4 +127,7 @@ def test_engine_equals_a_dense_replay_of_its_own_steps(make_release, mode):
             rows[s].append(hidden[start:end])
             states[s].length += n
     for seq_id, got in results:
-        assert torch.equal(torch.cat(rows[seq_id]), got)
+        if test_device.on_cpu():
+            assert torch.equal(torch.cat(rows[seq_id]), got)
+        else:  # a GPU may pick another fused kernel for a pool view than for a fresh tensor (alignment)
+            test_device.assert_close(got, torch.cat(rows[seq_id]), TOLERANCE)

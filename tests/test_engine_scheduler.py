@@ -41,10 +41,11 @@ def test_budget_goes_to_the_shortest_remaining_work_and_long_records_are_chunked
         scheduler.add(_seq(n, name))
     steps, finished = _drain(scheduler)
     assert all(sum(n for _, n in step) <= 16 for step in steps)
-    assert steps[0] == [("b", 3), ("a", 5), ("long", 8)]  # short records first, the rest to the long one
-    assert steps[1] == [("c", 16)]  # c (20 left) goes before long (32 left)
-    assert steps[2] == [("c", 4), ("long", 12)]
-    assert steps[3:] == [[("long", 16)], [("long", 4)]]
+    # short records first; beside them the long one gets at most a quarter of the budget
+    assert steps[0] == [("b", 3), ("a", 5), ("long", 4)]
+    assert steps[1] == [("c", 16)]  # no short record: c (20 left) goes before long (36 left)
+    assert steps[2] == [("c", 4), ("long", 4)]
+    assert steps[3:] == [[("long", 16)], [("long", 16)]]
     assert finished == ["b", "a", "c", "long"]
     assert scheduler.blocks.num_free == 64 and scheduler.slots.num_free == 3
 

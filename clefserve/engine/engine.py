@@ -20,7 +20,7 @@ import torch
 from clefserve.config import EngineConfig
 from clefserve.engine.errors import EngineClosedError, StepError
 from clefserve.engine.kv_pool import KVPool
-from clefserve.engine.memory import MIB, PoolPlan, plan_pools
+from clefserve.engine.memory import MIB, MemoryBudget, PoolPlan, measure_memory, plan_pools
 from clefserve.engine.prefix_cache import PrefixCache
 from clefserve.engine.runner import ModelRunner
 from clefserve.engine.scheduler import Scheduler, StepPlan
@@ -41,11 +41,16 @@ class Engine:
         model: Backbone,
         config: EngineConfig,
         finish: FinishFn,
-        memory_budget_bytes: int | None = None,
+        memory_budget_bytes: int | MemoryBudget | None = None,
     ) -> None:
+        """``memory_budget_bytes``: what the pools may use (see :func:`~clefserve.engine.memory.plan_pools`);
+        measured on the device when None (on a GPU: after a warm-up step)."""
         mc = model.config
         self.model, self.config, self.finish = model, config, finish
-        self.pools: PoolPlan = plan_pools(mc, config, model.dtype, model.device, memory_budget_bytes)
+        budget = memory_budget_bytes
+        if budget is None:
+            budget = measure_memory(model, config)
+        self.pools: PoolPlan = plan_pools(mc, config, model.dtype, model.device, budget)
         # plain tensors even when built under inference_mode: the worker updates them in place
         with torch.inference_mode(False):
             self.kv = KVPool(

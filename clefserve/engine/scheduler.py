@@ -4,8 +4,10 @@
   nothing behind a head that does not fit yet is admitted before it (no starvation).
 - At most ``max_num_seqs`` running. All blocks are reserved at admission, so prefill never preempts.
 - Each step spends ``token_budget`` tokens over the running sequences, shortest remaining work first, so a
-  short record is not stuck behind a long one; a long record runs as several chunks. A running sequence
-  that got no tokens for ``STARVATION_STEPS`` steps in a row goes first (oldest first), so none starves.
+  short record is not stuck behind a long one; a long record runs as several chunks. While a short record
+  (at most half the budget left) runs, long records share at most a quarter of the budget, so the steps a
+  short record waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps
+  in a row goes first (oldest first), so none starves.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
   blocks; cache-only blocks count as room, evicted when needed); a chunk never runs past the sequence's
   next snapshot point, and the snapshot is taken right after the step that reaches it. A waiting sequence
@@ -120,13 +122,21 @@ class Scheduler:
                 break  # the head waits for room; nobody overtakes it
             del self.waiting[i]
         budget = self.token_budget
-        for seq in self._by_priority():
-            n = min(seq.num_pending, budget)
+        order = self._by_priority()
+        short = max(1, budget // 2)
+        # while a short record runs, long records get at most a quarter of the budget: the step stays short,
+        # so the short one answers after a short step instead of after a full one
+        long_left = budget // 4 if any(seq.num_pending <= short for seq in order) else budget
+        for seq in order:
+            is_long = seq.num_pending > short
+            n = min(seq.num_pending, budget, long_left if is_long else budget)
             if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
                 n = min(n, seq.prefix.points[0] - seq.num_computed)
-            if n > 0 and budget > 0:
+            if n > 0:
                 plan.chunks.append((seq, n))
                 budget -= n
+                if is_long:
+                    long_left -= n
                 seq.steps_passed_over = 0
             else:
                 seq.steps_passed_over += 1

@@ -27,6 +27,9 @@ class Backbone(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        # bytes of weights still backed by the safetensors files (CPU): the page cache holds them, and the OS
+        # counts that as free memory, so the memory planner counts them as used (set by the loader)
+        self.file_mapped_bytes = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -35,6 +38,12 @@ class Backbone(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights (a tied output matrix counted once)."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.parameters()}
+        return sum(storages.values())
 
     def set_ops(self, ops: Ops) -> None:
         """Swap the kernel table everywhere (reference vs fast path) without touching the weights."""

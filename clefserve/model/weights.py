@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from clefserve.errors import ReleaseError
+from clefserve.errors import ReleaseError, StartupError
 from clefserve.model.backbone import Backbone
 from clefserve.model.config import BackboneConfig
 from clefserve.model.ops import Ops
@@ -28,6 +29,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Kept in fp32 whatever the weight dtype: cheap, and they feed fp32 math (norm scales, decay rates).
 FP32_SUFFIXES = ("norm.weight", "A_log", "dt_bias")
 PROGRESS_BYTES = 256 << 20
+GIB = 1 << 30
 
 
 def checkpoint_name(config: BackboneConfig, param: str) -> str:
@@ -44,6 +46,34 @@ def expected_tensors(config: BackboneConfig) -> dict[str, tuple[str, tuple[int, 
             continue
         out[checkpoint_name(config, name)] = (name, tuple(param.shape))
     return out
+
+
+def expected_weight_bytes(config: BackboneConfig, dtype: torch.dtype) -> int:
+    """Bytes the backbone's weights take once loaded in ``dtype`` (norms and decay rates stay fp32)."""
+    total = 0
+    for name, shape in expected_tensors(config).values():
+        target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+        total += math.prod(shape) * torch.empty((), dtype=target).element_size()
+    return total
+
+
+def weights_fit_error(weight_bytes: int, free_bytes: int, where: str, dtype: torch.dtype) -> str | None:
+    """The startup message when the weights cannot fit the free device memory, else None."""
+    if weight_bytes <= free_bytes:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return (f"the release does not fit {where}: its weights take {weight_bytes / GIB:.2f} GiB in {name}, "
+            f"{free_bytes / GIB:.2f} GiB of device memory is free; use a larger GPU or a smaller release")
+
+
+def _check_weights_fit(config: BackboneConfig, dtype: torch.dtype, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    where = f"{device} ({torch.cuda.get_device_name(device)}, {total / GIB:.1f} GiB)"
+    problem = weights_fit_error(expected_weight_bytes(config, dtype), free, where, dtype)
+    if problem:
+        raise StartupError(problem)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -103,9 +133,12 @@ def load_backbone(
     ops: Ops | None = None,
 ) -> Backbone:
     folder = Path(folder)
+    device = torch.device(device)
     config = BackboneConfig.from_folder(folder)
     expected = expected_tensors(config)
+    _check_weights_fit(config, dtype, device)
     state: dict[str, torch.Tensor] = {}
+    mapped = 0
     for key, tensor in _tensors(weight_files(folder)):
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding matrix is the output matrix
@@ -115,7 +148,16 @@ def load_backbone(
         if tuple(tensor.shape) != shape:
             raise ReleaseError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
         target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-        state[name] = tensor.to(device=device, dtype=target)
+        try:
+            state[name] = tensor.to(device=device, dtype=target)
+        except torch.OutOfMemoryError as exc:
+            loaded = sum(t.numel() * t.element_size() for t in state.values())
+            raise StartupError(
+                f"the release does not fit {device}: out of memory at tensor {key!r} after "
+                f"{loaded / GIB:.2f} GiB of {expected_weight_bytes(config, dtype) / GIB:.2f} GiB of weights"
+            ) from exc
+        if state[name].data_ptr() == tensor.data_ptr():
+            mapped += tensor.numel() * tensor.element_size()  # still the safetensors file's memory
     missing = [key for key, (name, _) in expected.items() if name not in state]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -126,4 +168,5 @@ def load_backbone(
         model = Backbone(config, ops)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    model.file_mapped_bytes = mapped
     return model.eval()

@@ -22,7 +22,9 @@ Names (all prefixed ``clef_``):
   ``clef_engine_prefill_tokens_total``, ``clef_engine_steps_total``, ``clef_engine_sequences_total{outcome}``
   (finished, cancelled, failed, rejected); with the prefix cache on ``clef_engine_prefix_cache_bytes`` /
   ``_budget_bytes``, ``clef_engine_prefix_cache_hits_total``, ``_hit_tokens_total``, ``_evictions_total``;
-  ``clef_model_ready`` (1 once the model serves).
+  ``clef_model_ready`` (1 once the model serves); ``clef_nonfinite_outputs_total``: records refused because
+  the model computed NaN/Inf for them (hidden rows or head logits; also counted as
+  ``clef_request_errors_total{error_type="non_finite_output"}``, a 500).
 - vision (releases with a vision tower): ``clef_vision_images_encoded_total``, ``_patches_encoded_total``,
   ``_encode_seconds_total``, and the encoder cache's ``clef_vision_encoder_cache_hits_total`` /
   ``_misses_total`` / ``_evictions_total`` / ``_bytes`` / ``_budget_bytes``.
@@ -154,6 +156,10 @@ class EngineCollector:
                                       value=s.get("prefix_hit_tokens", 0))
             yield CounterMetricFamily("clef_engine_prefix_cache_evictions", "Prefix cache entries evicted",
                                       value=s.get("prefix_evictions", 0))
+        if "nonfinite_outputs" in s:
+            yield CounterMetricFamily("clef_nonfinite_outputs", "Records refused because the model computed "
+                                      "NaN/Inf for them (hidden rows or head logits)",
+                                      value=s["nonfinite_outputs"])
         outcomes = CounterMetricFamily("clef_engine_sequences", "Sequences by how they left the engine",
                                        labels=["outcome"])
         for outcome in ("finished", "cancelled", "failed", "rejected"):

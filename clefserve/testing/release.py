@@ -153,12 +153,15 @@ class ReleaseSpec:
         return [share, share, frequencies - 2 * share]
 
 
-def _random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A random weight for parameter ``name``, made on ``gen``'s device (a CUDA generator: on the GPU)."""
+    device = gen.device
+
     def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=device) * std
 
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(0.02, 0.5, generator=gen).log()
+        return torch.empty(shape, device=device).uniform_(0.02, 0.5, generator=gen).log()
     if name.endswith("dt_bias"):
         return normal(0.5)
     if name.endswith("linear_attn.norm.weight"):
@@ -207,7 +210,7 @@ def backbone_tensors(config: BackboneConfig, seed: int) -> dict[str, torch.Tenso
     for name, param in skeleton.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        out[checkpoint_name(config, name)] = _random_weight(name, tuple(param.shape), gen)
+        out[checkpoint_name(config, name)] = random_weight(name, tuple(param.shape), gen)
     return out
 
 

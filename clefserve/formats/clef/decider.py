@@ -8,14 +8,16 @@ from typing import Any
 
 import torch
 
-from clefserve.errors import RequestError
+from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.backbone import Backbone
+from clefserve.model.device import check_dtype, device_facts
 from clefserve.model.inputs import SequenceInputs
 from clefserve.model.ops import gemm
-from clefserve.model.ops.select import select_ops
+from clefserve.model.ops.select import OpShapes, select_ops
 from clefserve.model.weights import load_backbone
 from clefserve.vision.inputs import ImageLimits
 from clefserve.vision.release import ReleaseImages
@@ -36,8 +38,11 @@ class ClefDecider:
         torch ops (:mod:`clefserve.model.ops.select`). ``image_limits``, ``image_cache_bytes``: requests
         with images, for a release with a vision tower."""
         self.folder = Path(folder)
+        facts = device_facts(torch.device(device))
+        check_dtype(facts, dtype)  # before loading: a V100 refuses bf16 at once
         self.backbone = load_backbone(self.folder, dtype, device)
-        self.backbone.set_ops(select_ops(self.backbone.device, dtype, kernels))
+        shapes = OpShapes.from_config(self.backbone.config)
+        self.backbone.set_ops(select_ops(self.backbone.device, dtype, kernels, shapes, facts))
         # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
         head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
@@ -50,6 +55,23 @@ class ClefDecider:
     @property
     def takes_images(self) -> bool:
         return self.images is not None
+
+    @classmethod
+    def with_backbone(cls, folder: str | Path, backbone: Backbone, max_length: int = DEFAULT_MAX_LENGTH,
+                      kernels: str = "auto") -> ClefDecider:
+        """The release's head and encoder around a backbone built elsewhere (benchmarks build a 9B-shaped
+        random backbone directly on the GPU instead of writing and reading 18 GB of safetensors)."""
+        self = cls.__new__(cls)
+        self.folder = Path(folder)
+        self.backbone = backbone
+        dtype, device = backbone.dtype, backbone.device
+        shapes = OpShapes.from_config(backbone.config)
+        backbone.set_ops(select_ops(device, dtype, kernels, shapes))
+        head_dtype = gemm.compute_dtype(device, dtype)
+        self.head = load_head(self.folder, head_dtype, device, hidden_size=backbone.config.hidden_size)
+        self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        self.images, self.images_refused = None, "this decider was built without the release's vision tower"
+        return self
 
     def encode(self, request: dict[str, Any]) -> EncodedRecord:
         """Ids and spans of a request; its pictures decoded and preprocessed (slow: not on the event loop)."""
@@ -101,7 +123,11 @@ class ClefDecider:
                                        inputs=self.inputs(record, fresh_images))[0]
             for record in records
         ]
+        if not all_finite(hiddens):
+            raise NonFiniteError("the hidden states")
         logits = self.logits(hiddens, records)
+        if not all(all_finite(list(record_logits)) for record_logits in logits):
+            raise NonFiniteError("the decision head's logits")
         return [
             self.answer(request, record, record_logits, raw)
             for request, record, record_logits in zip(requests, records, logits, strict=True)

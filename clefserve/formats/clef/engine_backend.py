@@ -20,7 +20,7 @@ import torch
 
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
-from clefserve.errors import RequestError
+from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import EncodedRecord
 from clefserve.model.inputs import SequenceInputs
@@ -66,6 +66,7 @@ class EngineBackend:
         self._metrics: Metrics | None = None
         self._self_check = self_check
         self._check_failure: str | None = None
+        self._nonfinite = 0  # records whose hidden rows or logits were NaN/Inf (refused, never answered)
         if decider is not None:
             self._attach(decider)
 
@@ -90,7 +91,7 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
         if engine is None:
             return None
-        stats = engine.stats()
+        stats = {**engine.stats(), "nonfinite_outputs": self._nonfinite}
         if decider is not None and decider.images is not None:
             stats.update(decider.images.encoder.stats())
         return stats
@@ -234,16 +235,26 @@ class EngineBackend:
         """The head over every record that finished in one engine step, then each record's answer."""
         assert self.decider is not None
         decider = self.decider
-        records: list[EncodedRecord] = [f.payload[1] for f in finished]
-        hiddens: list[torch.Tensor] = [f.hidden for f in finished]
+        # the non-finite guard: NaN/Inf hidden rows (an f16 overflow, a broken kernel) never reach the head
+        finite = [all_finite([f.hidden]) for f in finished]
+        good = [f for f, ok in zip(finished, finite, strict=True) if ok]
+        records: list[EncodedRecord] = [f.payload[1] for f in good]
+        hiddens: list[torch.Tensor] = [f.hidden for f in good]
         try:
-            logits: list[Any] = decider.logits(hiddens, records)
+            logits: list[Any] = decider.logits(hiddens, records) if good else []
         except Exception:
             # find the record at fault: the others still get their answers
             log.exception("the head failed on a batch of %d records; retrying one by one", len(records))
             logits = [self._one_record(decider, h, r) for h, r in zip(hiddens, records, strict=True)]
+        by_record = iter(logits)
         results: list[Any] = []
-        for f, record_logits in zip(finished, logits, strict=True):
+        for f, ok in zip(finished, finite, strict=True):
+            record_logits = next(by_record) if ok else NonFiniteError("the hidden states")
+            if not isinstance(record_logits, Exception) and not all_finite(list(record_logits)):
+                record_logits = NonFiniteError("the decision head's logits")
+            if isinstance(record_logits, NonFiniteError):
+                self._nonfinite += 1
+                log.error("sequence %d (%d tokens): %s", f.seq_id, len(f.token_ids), record_logits.message)
             if isinstance(record_logits, Exception):
                 results.append(record_logits)
                 continue

@@ -18,12 +18,14 @@ class Ops:
     causal_conv1d: Callable = conv.causal_conv1d
     gated_delta_rule: Callable = delta_rule.gated_delta_rule_varlen
     causal_attention: Callable = attention.causal_attention
+    # why an op got its implementation (capability checks, fallbacks): (op, reason) pairs
+    reasons: tuple[tuple[str, str], ...] = ()
 
     def kernels(self) -> dict[str, str]:
         """Which implementation each op uses (for the startup log and the model card)."""
         out = {}
         for field in fields(self):
-            if field.name != "name":
+            if field.name not in ("name", "reasons"):
                 fn = getattr(self, field.name)
                 module = getattr(fn, "__module__", "") or ""
                 out[field.name] = f"{module.removeprefix('clefserve.model.ops.')}.{fn.__qualname__}"
