@@ -6,8 +6,9 @@ with transformers' Qwen3VL processor end to end), same release, dtype and CPU th
 
 The release is Clef-shaped (hidden 256, 8 layers) with a small Qwen3.5-shaped vision tower (4 blocks of
 width 128, patch 16, merge 2; pictures up to 1024 x 1024 pixels). Each end-to-end request has a fresh
-state and fresh pictures (no cache hits), one request at a time, over HTTP for clef-serve; a last line
-repeats a picture to show the encoder cache. Needs the test extras (transformers, clef-finetune).
+state and fresh pictures (no cache hits), one request at a time, over HTTP for clef-serve; then requests
+with one picture at concurrency 4 (throughput); a last line repeats pictures to show the encoder cache and
+the prefix cache. Needs the test extras (transformers, clef-finetune).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import io
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -139,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
                 ours_p50, ref_p50 = statistics.median(served), statistics.median(reference)
                 print(f"{count} picture(s), ~{tokens} tokens: clef-serve p50 {ours_p50:6.3f}s, "
                       f"reference systemone() p50 {ref_p50:6.3f}s ({ref_p50 / ours_p50:.2f}x faster)")
+            bodies = [request(1, size, 500 + i) for i in range(2 * args.requests)]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda body: server_latencies(client, [body]), bodies))
+            rate = len(bodies) / (time.perf_counter() - start)
+            ref_rate = args.requests / sum(reference_latencies(folder, dtype, bodies[: args.requests]))
+            print(f"1 picture, {len(bodies)} requests at concurrency 4: clef-serve {rate:5.2f} req/s, "
+                  f"reference systemone() one at a time {ref_rate:5.2f} req/s ({rate / ref_rate:.2f}x)")
             repeated = request(4, size, 100 * 4)  # pictures seen before: encoder cache (and prefix cache)
             repeated["questions"] = {"other": {"type": "noul", "instructions": "Is a receipt shown?"}}
             cached, _ = server_latencies(client, [repeated])

@@ -9,6 +9,7 @@ from clefserve.engine.paged_cache import PagedCache, seq_slots
 from clefserve.engine.sequence import Sequence
 from clefserve.engine.state_pool import StatePool
 from clefserve.model.backbone import Backbone
+from clefserve.model.inputs import SequenceInputs
 from clefserve.model.layers import Batch
 
 
@@ -22,7 +23,11 @@ class ModelRunner:
 
     def prepare(self, seq: Sequence) -> None:
         """Per-sequence device tensors, made once at admission; a sequence resumed from the prefix cache
-        gets the cached hidden rows, GDN state and the K/V of its cut block copied in."""
+        gets the cached hidden rows, GDN state and the K/V of its cut block copied in. Inputs given as a
+        provider are computed here, from the first position that will run (the vision tower, for pictures
+        the prefix cache did not cover)."""
+        if callable(seq.inputs):
+            seq.inputs = seq.inputs(seq.num_computed)
         seq.block_table_tensor = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
         table = seq.block_table
         adjacent = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
@@ -59,16 +64,16 @@ class ModelRunner:
         past = [seq.num_computed for seq, _ in chunks]
         ids = torch.cat([seq.token_ids[p : p + n] for (seq, n), p in zip(chunks, past, strict=True)])
         mrope = None
-        if any(seq.inputs is not None and seq.inputs.positions is not None for seq, _ in chunks):
+        inputs = [seq.inputs if isinstance(seq.inputs, SequenceInputs) else None for seq, _ in chunks]
+        if any(i is not None and i.positions is not None for i in inputs):
             mrope = tuple(
-                seq.inputs.positions_for(p, p + n)
-                if seq.inputs is not None and seq.inputs.positions is not None else None
-                for (seq, n), p in zip(chunks, past, strict=True)
+                i.positions_for(p, p + n) if i is not None and i.positions is not None else None
+                for i, (_, n), p in zip(inputs, chunks, past, strict=True)
             )
         embeds, row = [], 0
-        for (seq, n), p in zip(chunks, past, strict=True):  # picture rows, also of a piece of a picture
-            if seq.inputs is not None:
-                embeds.extend((row + offset, rows) for offset, rows in seq.inputs.embeds_for(p, p + n))
+        for i, (_, n), p in zip(inputs, chunks, past, strict=True):  # picture rows, also of part of one
+            if i is not None:
+                embeds.extend((row + offset, rows) for offset, rows in i.embeds_for(p, p + n))
             row += n
         batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past), mrope=mrope)
         slots = []

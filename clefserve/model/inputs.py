@@ -8,6 +8,7 @@ rows: time, height, width). Any piece of the sequence can be run on its own: ``e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,3 +34,9 @@ class SequenceInputs:
         if self.positions is None:
             return torch.arange(start, end).expand(3, -1)
         return self.positions[:, start:end]
+
+
+# Computes a sequence's inputs when the engine admits it, given the first position it will run (earlier
+# positions come from the prefix cache, so their rows are not needed): the vision tower then runs on the
+# engine's thread, only for admitted sequences, and not at all for pictures the cache already covers.
+InputsProvider = Callable[[int], SequenceInputs | None]

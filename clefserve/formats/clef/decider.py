@@ -82,15 +82,17 @@ class ClefDecider:
             prepared = self.images.prepare(request["images"])
         return self.encoder.encode(request, prepared)
 
-    def inputs(self, record: EncodedRecord, fresh: bool = False) -> SequenceInputs | None:
+    def inputs(self, record: EncodedRecord, fresh: bool = False, start: int = 0) -> SequenceInputs | None:
         """What the backbone needs beyond the ids: the vision tower's rows for the pictures (from the
         encoder cache when seen recently, unless ``fresh``) and the M-RoPE positions; None for a text
-        record."""
+        record. ``start``: the first position that will run; pictures wholly before it are not encoded."""
         if not record.images:
             return None
         assert self.images is not None
-        rows = self.images.embed(record.prepared_images, use_cache=not fresh)
-        embeds = tuple((image.span.start, r) for image, r in zip(record.images, rows, strict=True))
+        pictures = zip(record.images, record.prepared_images, strict=True)
+        needed = [(image, prepared) for image, prepared in pictures if image.span.end > start]
+        rows = self.images.embed([prepared for _, prepared in needed], use_cache=not fresh)
+        embeds = tuple((image.span.start, r) for (image, _), r in zip(needed, rows, strict=True))
         return SequenceInputs(embeds=embeds, positions=record.positions())
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueF
 from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import EncodedRecord
-from clefserve.model.inputs import SequenceInputs
+from clefserve.model.inputs import InputsProvider, SequenceInputs
 
 if TYPE_CHECKING:
     from clefserve.server.metrics import Metrics
@@ -149,8 +150,7 @@ class EngineBackend:
             # the oldest unfinished canary and try again
             futures: list[Any] = []
             for body in requests:
-                record = decider.encode(body)
-                inputs = decider.inputs(record)
+                record, inputs = self._prepare(decider, body)
                 while True:
                     try:
                         futures.append(self._submit(engine, body, record, True, inputs))
@@ -177,7 +177,7 @@ class EngineBackend:
 
     @staticmethod
     def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool,
-                inputs: SequenceInputs | None = None) -> Any:
+                inputs: InputsProvider | None = None) -> Any:
         # prefix-cache resume points: after the fixed prefix, after the pictures (the same pictures with
         # another state), after the state (the same state asked other questions), and the whole record
         points = (record.prefix_end, record.state_start, record.state_end, len(record.input_ids))
@@ -204,7 +204,8 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
         if engine is None or decider is None or engine.closed or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
-        # decoding, preprocessing and the vision tower run in a worker thread, never on the event loop
+        # decoding and preprocessing run in a worker thread, the vision tower on the engine's thread at
+        # admission: never on the event loop
         record, inputs = await asyncio.to_thread(self._prepare, decider, body)
         try:
             future = self._submit(engine, body, record, self.config.raw_probabilities, inputs)
@@ -223,11 +224,14 @@ class EngineBackend:
                 engine.cancel(future)
 
     @staticmethod
-    def _prepare(decider: ClefDecider, body: dict[str, Any]) -> tuple[EncodedRecord, SequenceInputs | None]:
+    def _prepare(decider: ClefDecider, body: dict[str, Any]) -> tuple[EncodedRecord, InputsProvider | None]:
+        """The record, and for pictures what computes their rows when the engine admits the sequence (the
+        pixels live in it until then, not in the record the head keeps)."""
         record = decider.encode(body)
-        inputs = decider.inputs(record)
-        # the pictures' pixels are in the tower's rows now; do not hold them while the request runs
-        return (dataclasses.replace(record, prepared_images=()) if record.images else record), inputs
+        if not record.images:
+            return record, None
+        return dataclasses.replace(record, prepared_images=()), functools.partial(_picture_inputs, decider,
+                                                                                  record)
 
     # ---- on the engine's thread ----
 
@@ -276,3 +280,7 @@ class EngineBackend:
             return decider.logits([hidden], [record])[0]
         except Exception as exc:
             return exc
+
+
+def _picture_inputs(decider: ClefDecider, record: EncodedRecord, start: int) -> SequenceInputs | None:
+    return decider.inputs(record, start=start)
