@@ -38,6 +38,7 @@ class EngineConfig:
     raw_probabilities: bool = False
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
+    console: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,6 +130,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM: stop accepting, let in-flight requests finish for up to S seconds, then stop the "
         "engine and exit 0 (keep Kubernetes' terminationGracePeriodSeconds above it) (default: %(default)s)",
     )
+    server.add_argument("--no-console", dest="console", action="store_false",
+                        help="do not serve the browser console at / (GET /v1/status stays)")
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--max-num-seqs",
