@@ -24,7 +24,8 @@ MAX_BYTES = 200 * 1024
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "console.png")
     parser.add_argument("--height", type=int, default=860)
     args = parser.parse_args()
@@ -43,8 +44,8 @@ def main() -> int:
                 "return [...document.querySelectorAll('#questions [name=question-id]')].map(e => e.value)")
                 == list(demo["questions"]))
             browser.js("document.querySelector('#submit').click()")
-            browser.wait(lambda d: browser.js("return document.querySelectorAll('#answers .answer').length") == 3,
-                         timeout=60)
+            browser.wait(lambda d: browser.js(
+                "return document.querySelectorAll('#answers .answer').length") == 3, timeout=60)
             time.sleep(2.5)  # one engine refresh that counts the console's own request
             browser.js("document.activeElement.blur(); window.scrollTo(0, 0)")
             browser.screenshot(args.out)

@@ -1,6 +1,6 @@
 """The console in a real browser (headless Debian Chromium + Selenium) against real servers on the demo model.
 
-Screenshots at 1280 px and 390 px (light and dark) are left in ``test-artifacts/console/`` for people to look at.
+Screenshots at 1280 px and 390 px (light and dark) are left in ``test-artifacts/console/`` for people to see.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 
 def require_browser() -> None:
-    """Outside CI a machine without the browser skips these tests, saying how to install it; CI must run them."""
+    """Without the browser these tests skip, saying how to install it; in CI they must run."""
     problem = browser_problem()
     if problem is not None:
         if os.environ.get("CI"):
@@ -56,7 +56,8 @@ def browser() -> Iterator[Browser]:
 
 def start(log_name: str, tmp_path_factory, *extra: str) -> ServerProcess:
     require_browser()  # skip before paying for a server
-    server = ServerProcess(None, tmp_path_factory.mktemp("console") / log_name, "--log-level", "warning", *extra)
+    log = tmp_path_factory.mktemp("console") / log_name
+    server = ServerProcess(None, log, "--log-level", "warning", *extra)
     try:
         server.wait_ready()
     except BaseException:
@@ -218,7 +219,8 @@ def assert_bars_equal_api(shown: list[dict[str, Any]], api: dict[str, Any]) -> N
 
 # ---- the tests ----
 
-def test_the_page_loads_without_console_errors_or_other_origins(browser: Browser, server: ServerProcess) -> None:
+def test_the_page_loads_without_console_errors_or_other_origins(browser: Browser,
+                                                                 server: ServerProcess) -> None:
     open_console(browser, server)
     wait_for_demo_example(browser)
     submit_with_keyboard(browser)
@@ -231,7 +233,8 @@ def test_the_page_loads_without_console_errors_or_other_origins(browser: Browser
     # every control is labelled
     unlabelled = browser.js("""
         return [...document.querySelectorAll('input, select, textarea, button')].filter(e =>
-          !(e.labels && e.labels.length) && !e.getAttribute('aria-label') && !e.getAttribute('aria-labelledby')
+          !(e.labels && e.labels.length) && !e.getAttribute('aria-label')
+          && !e.getAttribute('aria-labelledby')
           && !(e.tagName === 'BUTTON' && e.textContent.trim())).map(e => e.outerHTML);""")
     assert unlabelled == []
 
@@ -306,7 +309,8 @@ def test_an_invalid_request_shows_the_servers_message(browser: Browser, server: 
     assert field_error.is_displayed() and message in field_error.text
 
 
-def test_a_wrong_key_shows_the_401_message_and_no_answers(browser: Browser, auth_server: ServerProcess) -> None:
+def test_a_wrong_key_shows_the_401_message_and_no_answers(browser: Browser,
+                                                           auth_server: ServerProcess) -> None:
     open_console(browser, auth_server)
     assert "API key" in text_of(browser, "#engine")  # the status route is behind the key too
     type_into(find(browser, "#api-key"), "not-the-key")
@@ -380,7 +384,8 @@ def tiny_png(width: int = 3, height: int = 2) -> bytes:
 
     rows = b"".join(b"\x00" + bytes([200, 30, 60]) * width for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+            + chunk(b"IEND", b""))
 
 
 class ImageBackend(FakeBackend):

@@ -174,10 +174,14 @@ async function copy(kind) {
 // ---- the engine panel ----
 
 let timer = null;
+let refreshes = 0;
 
 async function refreshStatus() {
   clearTimeout(timer);
+  refreshes += 1;
+  const mine = refreshes;
   const result = await call("GET", "/v1/status");
+  if (mine !== refreshes) return; // a newer refresh started meanwhile: it draws and schedules the next one
   if (result.ok) {
     lastStatus = result.json;
     showServed(result.json);

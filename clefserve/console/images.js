@@ -48,9 +48,15 @@ export class ImagePicker {
         problems.push(`at most ${this.limit()} images`);
         break;
       }
-      const cap = this.support.max_image_bytes ?? this.maxBodyBytes;
-      if (cap && file.size * 4 / 3 > cap) {
-        problems.push(`${file.name}: ${formatBytes(file.size)} is over the server's limit (${formatBytes(cap)})`);
+      const cap = this.support.max_image_bytes;
+      if (cap && file.size > cap) {
+        problems.push(`${file.name}: ${formatBytes(file.size)} is over the server's limit of ${formatBytes(cap)} per image`);
+        continue;
+      }
+      // base64 makes 4 bytes of every 3; the whole request must stay under --max-body-bytes
+      const encoded = this.images.reduce((sum, image) => sum + Math.ceil(image.size / 3) * 4, 0);
+      if (this.maxBodyBytes && encoded + Math.ceil(file.size / 3) * 4 > this.maxBodyBytes) {
+        problems.push(`${file.name}: the request would pass the server's body limit of ${formatBytes(this.maxBodyBytes)}`);
         continue;
       }
       const entry = { name: file.name, size: file.size, url: null };

@@ -156,7 +156,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
 
     @app.get("/v1/status", dependencies=guard, response_model=None,
              responses={200: {"model": StatusResponse}, 401: _ERRORS[401]},
-             summary="The engine at a glance: model, self-check, pools, prefix cache, last minute of requests")
+             summary="The engine at a glance: model, self-check, pools, prefix cache, the last minute")
     async def status() -> JSONResponse:
         """What the console's engine panel shows, read from the counters /metrics exports. Holds no paths,
         keys or environment."""

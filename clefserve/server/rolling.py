@@ -20,7 +20,7 @@ MAX_SAMPLES_PER_BUCKET = 1024
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default); None if empty."""
+    """The q-th percentile (0..100), interpolating linearly between ranks (numpy's default); None if empty."""
     if not values:
         return None
     ordered = sorted(values)
