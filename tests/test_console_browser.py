@@ -16,6 +16,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -45,13 +46,22 @@ def require_browser() -> None:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
+def chromium() -> Iterator[Browser]:
     require_browser()
     b = Browser()
     try:
         yield b
     finally:
         b.quit()
+
+
+@pytest.fixture
+def browser(chromium: Browser) -> Iterator[Browser]:
+    """The shared browser, left on a blank page after each test (a console page keeps polling its server)."""
+    try:
+        yield chromium
+    finally:
+        chromium.driver.get("about:blank")
 
 
 def start(log_name: str, tmp_path_factory, *extra: str) -> ServerProcess:
@@ -75,13 +85,31 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def auth_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = start("auth-server.log", tmp_path_factory, "--api-key", KEY)
+@contextmanager
+def in_process_server(backend: FakeBackend, config: EngineConfig) -> Iterator[str]:
+    """The real app over a fake backend (no model), served by uvicorn on a thread; yields its URL."""
+    import uvicorn
+
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_app(backend, config), host="127.0.0.1", port=port,
+                                       log_config=None, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
-        yield srv
+        yield f"http://127.0.0.1:{port}"
     finally:
-        srv.stop()
+        uv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def auth_server() -> Iterator[str]:
+    """Auth is the HTTP layer's, whatever the backend: a fake one answers, so no second model loads."""
+    with in_process_server(FakeBackend(DEMO["model"]), EngineConfig(api_key=KEY)) as url:
+        yield url
 
 
 # ---- driving the page ----
@@ -105,13 +133,11 @@ def type_into(element: Any, text: str) -> None:
     element.send_keys(text)
 
 
-def open_console(b: Browser, server: ServerProcess, key: str | None = None) -> None:
-    b.open(server.url + "/")
+def open_console(b: Browser, server: ServerProcess | str) -> None:
+    b.open((server if isinstance(server, str) else server.url) + "/")
     b.wait(lambda d: d.execute_script("return document.querySelector('#stat-requests') !== null"
                                       " || document.querySelector('.engine-problem') !== null"),
            message="the engine panel never filled")
-    if key is not None:
-        type_into(find(b, "#api-key"), key)
 
 
 def wait_for_demo_example(b: Browser) -> None:
@@ -309,14 +335,13 @@ def test_an_invalid_request_shows_the_servers_message(browser: Browser, server: 
     assert field_error.is_displayed() and message in field_error.text
 
 
-def test_a_wrong_key_shows_the_401_message_and_no_answers(browser: Browser,
-                                                           auth_server: ServerProcess) -> None:
+def test_a_wrong_key_shows_the_401_message_and_no_answers(browser: Browser, auth_server: str) -> None:
     open_console(browser, auth_server)
     assert "API key" in text_of(browser, "#engine")  # the status route is behind the key too
     type_into(find(browser, "#api-key"), "not-the-key")
     submit_with_keyboard(browser)
     wait_for_outcome(browser)
-    direct = httpx.post(f"{auth_server.url}/v1/systemone", json=DEMO, timeout=30,
+    direct = httpx.post(f"{auth_server}/v1/systemone", json=DEMO, timeout=30,
                         headers={"Authorization": "Bearer not-the-key"})
     assert direct.status_code == 401
     error = find(browser, "#answers .error")
@@ -395,24 +420,9 @@ class ImageBackend(FakeBackend):
 
 @pytest.fixture
 def image_server() -> Iterator[str]:
-    """An in-process server whose (fake) backend says it takes images."""
-    import uvicorn
-
-    port = free_port()
-    config = uvicorn.Config(create_app(ImageBackend(), EngineConfig()), host="127.0.0.1", port=port,
-                            log_config=None, log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
+    """A server whose (fake) backend says it takes images."""
+    with in_process_server(ImageBackend(), EngineConfig()) as url:
         yield url
-    finally:
-        uv.should_exit = True
-        thread.join(10)
 
 
 def test_picked_images_become_data_urls_with_thumbnails(browser: Browser, image_server: str,
