@@ -332,7 +332,8 @@ def test_an_invalid_request_shows_the_servers_message(browser: Browser, server: 
     assert message in error.text and "422" in error.text
     assert find_all(browser, "#answers article.answer") == []
     field_error = find(browser, ".field-error", cards(browser)[0])  # next to the question it names
-    assert field_error.is_displayed() and message in field_error.text
+    assert field_error.is_displayed() and field_error.text == f"criteria: {message}"
+    browser.screenshot(ARTIFACTS / "console-invalid-request.png", full_page=True)
 
 
 def test_a_wrong_key_shows_the_401_message_and_no_answers(browser: Browser, auth_server: str) -> None:
@@ -377,6 +378,7 @@ def test_markup_in_states_and_names_is_shown_as_text(browser: Browser, server: S
     assert browser.js("return document.querySelectorAll('main img, main script').length") == 0
     assert browser.js("return document.querySelector('#state').value") == json.dumps(state)
     assert browser.errors() == []  # not even a blocked inline handler
+    browser.screenshot(ARTIFACTS / "console-markup-as-text.png", full_page=True)
     assert not [url for url in browser.requests if url.rstrip("/").endswith("/x")]
 
 

@@ -9,6 +9,7 @@ import { ImagePicker } from "./images.js";
 import { curlSnippet, pythonSnippet } from "./snippets.js";
 
 const REFRESH_MS = 2000;
+const QUESTION_TYPES = new Set(["choice", "score", "noul"]);
 const DEMO_MODEL = "clef-demo";
 const GENERIC_EXAMPLE = {
   model: "",
@@ -112,7 +113,9 @@ function showServerError(error, meta) {
   renderError(ui.answers, error, meta);
   for (const field of error.fields || []) {
     const [, where, id] = field.loc;
-    const text = `${field.loc.slice(where === "questions" ? 3 : 2).join(".") || where || "body"}: ${field.msg}`;
+    // ["body", "questions", id, <the question's type, from the tagged union>, field...]
+    const path = field.loc.slice(where === "questions" ? 3 : 2).filter((part, i) => i > 0 || !QUESTION_TYPES.has(part));
+    const text = `${path.join(".") || where || "body"}: ${field.msg}`;
     if (where === "questions" && id !== undefined) questions.showError({ id, message: text });
     else if (where === "state") setStateNote(`server: ${field.msg}`, true);
     else if (where === "model") ui.model.setAttribute("aria-invalid", "true");
