@@ -415,6 +415,44 @@ def tiny_png(width: int = 3, height: int = 2) -> bytes:
             + chunk(b"IEND", b""))
 
 
+ENGINE_STATS = dict.fromkeys(
+    ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "gdn_slots_total", "gdn_slots_free",
+     "kv_bytes", "gdn_bytes", "tokens_per_second", "prefill_tokens", "steps", "finished", "cancelled",
+     "failed", "rejected"), 0)
+
+
+class AuditingBackend(FakeBackend):
+    def stats(self) -> dict[str, Any]:
+        return {**ENGINE_STATS, "audit": {"match": 1234, "mismatch": 0, "skipped": 7}}
+
+
+def test_the_audit_panel_appears_with_the_backends_audit_counters(browser: Browser) -> None:
+    with in_process_server(AuditingBackend(), EngineConfig()) as url:
+        open_console(browser, url)
+        browser.wait(lambda d: text_of(browser, "#audit-panel") is not None, timeout=10)
+        panel = text_of(browser, "#audit-panel")
+        assert "match1,234" in panel and "mismatch0" in panel and "skipped7" in panel
+
+
+def test_the_whole_flow_works_from_the_keyboard(browser: Browser) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    with in_process_server(FakeBackend("kbd-model"), EngineConfig()) as url:
+        open_console(browser, url)
+        while cards(browser):
+            find(browser, "[name=remove-question]", cards(browser)[0]).send_keys(Keys.ENTER)
+        find(browser, "#add-noul").send_keys(Keys.ENTER)
+        focused = browser.driver.switch_to.active_element
+        assert focused.get_attribute("name") == "question-id"  # the new question's id, ready to type
+        focused.send_keys(Keys.CONTROL, "a")
+        # id -> type -> remove -> instructions
+        focused.send_keys("is_urgent", Keys.TAB, Keys.TAB, Keys.TAB, "Is it urgent?")
+        browser.driver.switch_to.active_element.send_keys(Keys.CONTROL, Keys.ENTER)
+        browser.wait(lambda d: find_all(browser, "#answers article.answer"), timeout=20)
+        assert [a["id"] for a in shown_answers(browser)] == ["is_urgent"]
+        assert browser.js("return document.querySelector('[name=instructions]').value") == "Is it urgent?"
+
+
 class ImageBackend(FakeBackend):
     def image_support(self) -> dict[str, Any]:
         return {"supported": True, "max_images": 2, "max_image_bytes": 1 << 20}
