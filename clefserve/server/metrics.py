@@ -81,7 +81,6 @@ class Metrics:
         self.errors = Counter("clef_request_errors", "Decisions refused or cut short, by error type",
                               ["error_type"], registry=r)
         ProcessCollector(registry=r)
-        self.stats = stats
         self.engine = EngineCollector(stats, ready)
         r.register(self.engine)
         self.recent = RollingWindow()
