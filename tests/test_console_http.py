@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -17,6 +18,7 @@ from clefserve.config import EngineConfig
 from clefserve.server import create_app
 from clefserve.server.console import CONTENT_SECURITY_POLICY, console_files
 from clefserve.server.status import StatusResponse
+from clefserve.testing.server_process import ROOT
 from tests.http_fakes import FakeBackend
 from tests.test_demo_serving import documented_request
 from tests.test_observability import samples
@@ -237,3 +239,13 @@ def test_status_reads_the_same_values_as_metrics(make_release) -> None:
         "clef-status", True, "ready", "f32", "cpu")
     assert model["ops"] == "torch-reference"
     assert model["self_check"]["result"] == "not run"  # a backend built without the startup check
+
+
+def test_the_readme_shows_the_console_picture() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "![The console answering the demo ticket](docs/console.png)" in readme
+    assert "http://localhost:8080/" in readme
+    picture = (ROOT / "docs" / "console.png").read_bytes()
+    assert picture[:8] == b"\x89PNG\r\n\x1a\n" and len(picture) < 200_000
+    width, height = struct.unpack(">II", picture[16:24])
+    assert width == 1280 and height >= 700
