@@ -23,7 +23,7 @@ log = logging.getLogger("clefserve")
 DESCRIPTION = """\
 clef-serve: an inference server for System One decision models (Cloudflare Clef / Clef-flash release
 format). It answers POST /v1/systemone like the published reference code, and also serves
-GET /v1/models, GET /health (liveness) and GET /ready (readiness)."""
+GET /v1/models, GET /v1/status, GET /health (liveness), GET /ready (readiness) and a browser console at /."""
 
 SERVE_EXAMPLES = """\
 examples:
@@ -43,7 +43,8 @@ EXAMPLES = SERVE_EXAMPLES + "\n\nCOMMAND defaults to serve; run 'clef-serve serv
 SERVE_DESCRIPTION = """\
 Load a Clef release folder (without --w: the embedded demo model) and serve the System One API over
 HTTP. /health answers at once; /ready answers 503 until the model is loaded and its startup self-check
-has passed, then 200."""
+has passed, then 200. Open http://HOST:PORT/ in a browser for the console (ask a decision, see the
+probabilities, watch the engine); --no-console turns it off."""
 
 
 def configure_logging(level: str) -> None:
@@ -190,6 +191,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     app = create_app(backend, config)
     log.info("clef-serve %s serving %s on http://%s:%d (auth %s)", __version__, name, config.host,
              config.port, "on" if config.api_key else "off")
+    if config.console:
+        log.info("console: open %s in a browser", console_address(config.host, config.port))
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         # On SIGTERM uvicorn closes the listening socket, lets in-flight requests finish for up to
@@ -204,6 +207,15 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         signal.signal(signal.SIGTERM, previous)
     log.info("clef-serve stopped")
     return 0
+
+
+def console_address(host: str, port: int) -> str:
+    """The console's address for the log: a wildcard bind address is reachable as localhost."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/"
 
 
 Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]

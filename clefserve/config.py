@@ -39,6 +39,7 @@ class EngineConfig:
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
     kernels: str = "auto"
+    console: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -131,6 +132,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM: stop accepting, let in-flight requests finish for up to S seconds, then stop the "
         "engine and exit 0 (keep Kubernetes' terminationGracePeriodSeconds above it) (default: %(default)s)",
     )
+    server.add_argument("--no-console", dest="console", action="store_false",
+                        help="do not serve the browser console at / (GET /v1/status stays)")
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--kernels",

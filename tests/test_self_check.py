@@ -77,6 +77,10 @@ def test_a_server_with_the_broken_conv_never_turns_ready(make_release, tmp_path)
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
         body = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
         assert httpx.post(f"{server.url}/v1/systemone", json=body, timeout=10).status_code == 503
+        model = httpx.get(f"{server.url}/v1/status", timeout=10).json()["model"]
+        assert (model["ready"], model["phase"], model["self_check"]["result"]) == (
+            False, "self_check_failed", "failed")
+        assert model["self_check"]["problem"].startswith("canary 0") and model["self_check"]["finished_at"]
         text = log.read_text()
         assert "startup self-check FAILED" in text and "canary 0" in text
     finally:
@@ -87,4 +91,7 @@ def test_a_sound_server_passes_the_self_check(make_release, tmp_path):
     log = tmp_path / "server.log"
     with ServerProcess(make_release(seed=31), log) as server:
         assert httpx.get(f"{server.url}/ready", timeout=2).status_code == 200
+        model = httpx.get(f"{server.url}/v1/status", timeout=10).json()["model"]
+        assert (model["ready"], model["phase"], model["self_check"]["result"]) == (True, "ready", "passed")
+        assert model["self_check"]["finished_at"] and model["self_check"]["problem"] is None
     assert "startup self-check passed" in log.read_text()

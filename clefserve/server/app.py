@@ -20,6 +20,7 @@ from clefserve.errors import RequestError
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend
 from clefserve.server.body import decode_body, parse_json, read_body
+from clefserve.server.console import add_console_routes
 from clefserve.server.draining import CancelledRequestGuard
 from clefserve.server.errors import error_detail, from_request_error, validation_failed
 from clefserve.server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
@@ -33,6 +34,7 @@ from clefserve.server.protocol import (
     SystemOneResponse,
 )
 from clefserve.server.request_id import RequestIdMiddleware
+from clefserve.server.status import StatusReporter, StatusResponse
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,16 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
     async def models() -> dict[str, Any]:
         return model_list(backend.model_cards())
 
+    reporter = StatusReporter(backend, config, metrics)
+
+    @app.get("/v1/status", dependencies=guard, response_model=None,
+             responses={200: {"model": StatusResponse}, 401: _ERRORS[401]},
+             summary="The engine at a glance: model, self-check, pools, prefix cache, the last minute")
+    async def status() -> JSONResponse:
+        """What the console's engine panel shows, read from the counters /metrics exports. Holds no paths,
+        keys or environment."""
+        return JSONResponse(reporter.report())
+
     @app.get("/health", response_model=HealthResponse, summary="Liveness: the process answers")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -182,4 +194,6 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if config.console:
+        add_console_routes(app)
     return app

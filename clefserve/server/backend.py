@@ -32,3 +32,7 @@ class DecisionBackend(Protocol):
 # Optional observability: ``backend.stats()`` -> the engine's counters and pool gauges as a dict (or None
 # before the model is loaded), read by ``GET /metrics`` at scrape time; ``backend.bind_metrics(metrics)``
 # receives the app's :class:`~clefserve.server.metrics.Metrics` to observe per-decision latencies.
+# Optional status (``GET /v1/status``, the console's engine panel): ``backend.status()`` ->
+# ``{"phase", "ops", "self_check": {"result", "finished_at", "problem"}}`` (no paths or error texts);
+# ``backend.image_support()`` -> ``{"supported", "reason", "max_images", "max_image_bytes"}`` (absent: images
+# are off); an ``"audit"`` object in ``stats()`` is shown as the status's ``audit`` counters.

@@ -26,6 +26,9 @@ Names (all prefixed ``clef_``):
   the model computed NaN/Inf for them (hidden rows or head logits; also counted as
   ``clef_request_errors_total{error_type="non_finite_output"}``, a 500).
 - ``process_*``: the process collector (resident memory, CPU seconds, open fds).
+
+``Metrics.recent`` (not exported: Prometheus computes rates itself) keeps the last minute of decision
+requests (POST routes) for ``GET /v1/status``: requests per second and p50/p95 latency.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from clefserve.server.rolling import RollingWindow
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,9 @@ class Metrics:
         self.errors = Counter("clef_request_errors", "Decisions refused or cut short, by error type",
                               ["error_type"], registry=r)
         ProcessCollector(registry=r)
-        r.register(EngineCollector(stats, ready))
+        self.engine = EngineCollector(stats, ready)
+        r.register(self.engine)
+        self.recent = RollingWindow()
 
     def observe_decision(self, queue_wait_s: float, compute_s: float) -> None:
         """Thread-safe: called on the engine's thread when a decision is answered."""
@@ -197,4 +204,7 @@ class MetricsMiddleware:
             # 0: no response started (the client left, or the task was cancelled at shutdown)
             method = scope["method"] if scope["method"] in METHODS else UNMATCHED_ROUTE
             m.requests.labels(method, route, str(status) if status else "none").inc()
-            m.duration.labels(route).observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            m.duration.labels(route).observe(elapsed)
+            if method == "POST" and route != UNMATCHED_ROUTE:  # decisions: the only POST routes
+                m.recent.record(elapsed, ok=0 < status < 400)

@@ -61,6 +61,10 @@ class EngineBackend:
         self._self_check = self_check
         self._check_failure: str | None = None
         self._nonfinite = 0  # records whose hidden rows or logits were NaN/Inf (refused, never answered)
+        # for GET /v1/status: "not run", "running", "passed" or "failed", when it finished, the first problem
+        self._check_result = "not run"
+        self._check_finished_at: dt.datetime | None = None
+        self._check_problem: str | None = None
         if decider is not None:
             self._attach(decider)
 
@@ -84,6 +88,31 @@ class EngineBackend:
         """The engine's counters and pool gauges; None until the model is loaded."""
         engine = self.engine
         return {**engine.stats(), "nonfinite_outputs": self._nonfinite} if engine is not None else None
+
+    def status(self) -> dict[str, Any]:
+        """For ``GET /v1/status``: the serving phase, the ops and the self-check. Never the load error's text
+        (it can hold paths): the log and ``/ready`` have it."""
+        engine = self.engine
+        if self._check_failure == "load failed":
+            phase = "load_failed"
+        elif engine is None:
+            phase = "loading"
+        elif engine.closed or self._reason in ("shutting down", "stopped"):
+            phase = "stopped" if engine.closed else "stopping"
+        elif self._check_result == "failed":
+            phase = "self_check_failed"
+        elif self._check_failure is not None:
+            phase = "self_check_running"
+        else:
+            phase = "ready"
+        finished = self._check_finished_at
+        return {
+            "phase": phase,
+            "ops": self.decider.backbone.ops.name if self.decider is not None else None,
+            "self_check": {"result": self._check_result,
+                           "finished_at": finished.isoformat(timespec="seconds") if finished else None,
+                           "problem": self._check_problem},
+        }
 
     # ---- DecisionBackend ----
 
@@ -126,6 +155,7 @@ class EngineBackend:
 
         assert self.engine is not None and self.decider is not None
         self._check_failure = "self-check running"
+        self._check_result = "running"
         self._reason = "running the startup self-check"
         engine, decider = self.engine, self.decider
 
@@ -148,6 +178,9 @@ class EngineBackend:
             return [future.result() for future in futures]
 
         problems, report = self_check(decider, serve, decider.backbone.dtype)
+        self._check_finished_at = dt.datetime.now(dt.UTC)
+        self._check_result = "failed" if problems else "passed"
+        self._check_problem = problems[0] if problems else None
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             self._check_failure = problems[0]
