@@ -85,7 +85,8 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     from clefserve.formats.clef.decider import ClefDecider
     from clefserve.model.ops.faults import ops_from_environment
 
-    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length)
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length,
+                          confidence=config.confidence, question_ids=config.question_ids)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
     return decider
 
@@ -104,7 +105,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     finally:
         assert backend.engine is not None
         backend.engine.shutdown()
-    problems += transformers_check(folder, decider)
+    problems += transformers_check(folder, decider, config)
     for problem in problems:
         print(f"MISMATCH {problem}")
     verdict = "FAILED" if problems else "passed"
@@ -112,7 +113,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 1 if problems else 0
 
 
-def transformers_check(folder: Path, decider: Any) -> list[str]:
+def transformers_check(folder: Path, decider: Any, config: EngineConfig) -> list[str]:
     """Final hidden rows of the canary records against transformers' Qwen3.5, when it is installed."""
     try:
         import transformers
@@ -121,7 +122,7 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
         return []
     import torch
 
-    from clefserve.formats.clef.canary import canary_requests
+    from clefserve.formats.clef.canary import build_canaries
 
     transformers.logging.set_verbosity_error()
     arch = decider.backbone.config.architecture
@@ -130,13 +131,15 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
     tolerance = 1e-3 if decider.backbone.dtype == torch.float32 else 1e-1
     problems = []
     with torch.inference_mode():
-        for i, request in enumerate(canary_requests()):
-            ids = torch.tensor(decider.encode(request).input_ids)
+        canaries, _ = build_canaries(decider.encode, config.prefill_chunk_size, config.max_length)
+        for i, canary in enumerate(canaries):
+            ids = torch.tensor(canary.record.input_ids)
             ours, _ = decider.backbone.run_sequence(ids)
             ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
             diff = (ours.float() - ref.float()).abs().max().item()
             if not diff <= tolerance * max(1.0, ref.float().abs().max().item()):
-                problems.append(f"canary {i}: hidden rows differ from transformers by {diff:.3g}")
+                problems.append(f"canary {i + 1} ({canary.name}): hidden rows differ from transformers by "
+                                f"{diff:.3g}")
     return problems
 
 

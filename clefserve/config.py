@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from clefserve.confidence import CONFIDENCE_MODES
+from clefserve.formats.clef.encoder import QUESTION_ID_MODES
+
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -38,6 +41,8 @@ class EngineConfig:
     raw_probabilities: bool = False
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
+    confidence: str = "clef"
+    question_ids: str = "prompt"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -128,6 +133,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="on SIGTERM: stop accepting, let in-flight requests finish for up to S seconds, then stop the "
         "engine and exit 0 (keep Kubernetes' terminationGracePeriodSeconds above it) (default: %(default)s)",
+    )
+    semantics = parser.add_argument_group("semantics (README \"Semantics\": where Clef and TypeSafe differ)")
+    semantics.add_argument(
+        "--confidence",
+        choices=CONFIDENCE_MODES,
+        default=d.confidence,
+        help="confidence of choice and score answers: 'clef' = the top probability, as Cloudflare's "
+        "reference; 'typesafe' = TypeSafe's documented formulas ((m - 1/n)/(1 - 1/n) for a choice, "
+        "1 - spread around the mode / a uniform answer's spread for a score) (default: %(default)s)",
+    )
+    semantics.add_argument(
+        "--question-ids",
+        choices=QUESTION_ID_MODES,
+        default=d.question_ids,
+        help="'prompt' = write each question id into the model's record, as Cloudflare's encoding (renaming "
+        "a question can change its answer); 'opaque' = write positional names q1, q2, ... instead, so "
+        "ids never reach the model (not what the model was trained on: accuracy may differ) "
+        "(default: %(default)s)",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument(

@@ -5,6 +5,7 @@ with a real tiny model in-process. (schemathesis is not a dependency: the strate
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,7 +71,8 @@ class SchemaStrategies:
             low, high = self._bounds(schema, "minItems", "maxItems")
             return st.lists(self.of(schema.get("items", {})), min_size=low, max_size=high)
         if kind == "string":
-            return st.text(min_size=schema.get("minLength", 0), max_size=20)
+            text = st.text(min_size=schema.get("minLength", 0), max_size=20)
+            return text.filter(re.compile(schema["pattern"]).search) if "pattern" in schema else text
         if kind == "integer":
             return st.integers(-(2**40), 2**40)
         if kind == "number":

@@ -44,7 +44,8 @@ def test_models_lists_typesafe_and_openai_shapes(client: TestClient) -> None:
     assert response.status_code == 200
     body = response.json()
     assert body["models"] == [{"name": "fake-clef", "description": "a fake model for tests",
-                               "release_date": "2026-10-01"}]
+                               "release_date": "2026-10-01", "x_confidence": "clef",
+                               "x_question_ids": "prompt"}]
     assert body["object"] == "list"
     assert body["data"] == [{"id": "fake-clef", "object": "model", "created": OCT_1_2026,
                              "owned_by": "clef-serve"}]

@@ -62,7 +62,32 @@ def _created(release_date: str) -> int:
     return int(dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC).timestamp())
 
 
-def model_list(cards: list[dict[str, Any]]) -> dict[str, Any]:
+# What the OpenAPI document says `confidence` is, per --confidence.
+CONFIDENCE_DESCRIPTIONS = {
+    "clef": "Confidence in force on this server (--confidence clef, Cloudflare's reference): the probability "
+            "of the chosen label (choice) or of the most probable level (score), rounded to 4 decimals.",
+    "typesafe": "Confidence in force on this server (--confidence typesafe, TypeSafe's definition), from "
+                "the unrounded probabilities renormalised to sum 1: choice (m - 1/n) / (1 - 1/n) for top "
+                "probability m over n labels; score max(0, 1 - sum_i p_i |i - k| / D) for mode k, with D the "
+                "mean absolute deviation of a uniform answer over the n levels; 1 when n = 1; rounded to 4 "
+                "decimals.",
+}
+QUESTION_ID_DESCRIPTIONS = {
+    "prompt": "On this server (--question-ids prompt, Cloudflare's encoding) each id "
+              "is written into the model's record, so renaming a question can change its answer.",
+    "opaque": "On this server (--question-ids opaque) ids never reach the model: the "
+              "record names the questions q1, q2, ... by position; answers come back under the ids sent.",
+}
+
+
+def semantics_card(config: EngineConfig) -> dict[str, str]:
+    """Extension fields of each /v1/models card: the semantics flags in force."""
+    return {"x_confidence": config.confidence, "x_question_ids": config.question_ids}
+
+
+def model_list(cards: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``extra``: fields added to every TypeSafe card (extensions, prefixed ``x_``)."""
+    cards = [{**card, **(extra or {})} for card in cards]
     data = [{"id": c["name"], "object": "model", "created": _created(c["release_date"]),
              "owned_by": "clef-serve"} for c in cards]
     return {"models": cards, "object": "list", "data": data}
@@ -79,6 +104,18 @@ async def _read_request(request: Request, config: EngineConfig) -> Any:
     if len(raw) > PARSE_IN_THREAD_BYTES:  # a 1 MiB body takes ~0.2 s to parse and check
         return await run_in_threadpool(parse_json, raw)
     return parse_json(raw)
+
+
+def _describe_semantics(components: dict[str, Any], config: EngineConfig) -> None:
+    """State in the OpenAPI document which --confidence and --question-ids this server runs with."""
+    for answer in ("ChoiceAnswer", "ScoreAnswer"):
+        properties = components.get(answer, {}).get("properties", {})
+        if "confidence" in properties:
+            properties["confidence"]["description"] = CONFIDENCE_DESCRIPTIONS[config.confidence]
+    questions = components["SystemOneRequest"].get("properties", {}).get("questions")
+    if questions is not None:
+        questions["description"] = " ".join(
+            filter(None, [questions.get("description"), QUESTION_ID_DESCRIPTIONS[config.question_ids]]))
 
 
 def _metrics_for(backend: DecisionBackend) -> Metrics:
@@ -148,7 +185,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
     @app.get("/v1/models", dependencies=guard, response_model=ModelList, responses={401: _ERRORS[401]},
              summary="The served model, in TypeSafe's and OpenAI's shapes")
     async def models() -> dict[str, Any]:
-        return model_list(backend.model_cards())
+        return model_list(backend.model_cards(), semantics_card(config))
 
     @app.get("/health", response_model=HealthResponse, summary="Liveness: the process answers")
     async def health() -> dict[str, str]:
@@ -178,6 +215,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["SystemOneRequest"] = request_schema
+            _describe_semantics(components, config)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -47,6 +47,34 @@ Description = Annotated[
 ]
 
 
+def _level(value: Any) -> Any:
+    if isinstance(value, str):
+        if not value.strip():
+            raise PydanticCustomError("empty_level", "a score level must not be empty or blank")
+        return value
+    if isinstance(value, dict | list):
+        if not value:
+            raise PydanticCustomError("empty_level", "a score level must not be an empty {kind}",
+                                      {"kind": "object" if isinstance(value, dict) else "array"})
+        return value
+    raise PydanticCustomError(
+        "level_type", "a score level must be a string (or an object or array describing it), not {kind}",
+        {"kind": "null" if value is None else _json_kind(value)},
+    )
+
+
+# A score level: what the legend echoes and the model reads as that level's description. TypeSafe's
+# OpenAPI and SDK allow a string, an object or an array here (not null, unlike choice descriptions); a
+# level that says nothing (blank text, {} or []) is refused too.
+Level = Annotated[
+    Any,
+    PlainValidator(_level),
+    WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1, "pattern": "\\S"},
+                              {"type": "object", "minProperties": 1},
+                              {"type": "array", "minItems": 1}]}),
+]
+
+
 def _count_error(what: str, n: int, low: int, high: int) -> PydanticCustomError:
     if n < low:
         return PydanticCustomError(
@@ -102,9 +130,10 @@ class ChoiceQuestion(_Question):
 
 class ScoreQuestion(_Question):
     type: Literal["score"]
-    criteria: list[Description] = Field(
+    criteria: list[Level] = Field(
         description=f"Ordered level descriptions, index 0 = lowest, "
-                    f"{MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels.",
+                    f"{MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels; each a non-blank string (or a non-empty "
+                    f"object or array), never null.",
         min_length=MIN_SCORE_LEVELS, max_length=MAX_SCORE_LEVELS,
     )
 
@@ -184,7 +213,7 @@ class ScoreAnswer(BaseModel):
     type: Literal["score"]
     score: float = Field(description="Expected level index, sum of i * p_i, on the 0..N-1 scale.")
     confidence: float
-    legend: dict[str, Description] = Field(description='"0".."N-1" -> the criteria as sent.')
+    legend: dict[str, Level] = Field(description='"0".."N-1" -> the criteria as sent.')
     probabilities: dict[str, float]
     x_probabilities: dict[str, float] | None = Field(
         None, description="Extension (--x-raw-probabilities): unrounded float32 probabilities by option id.")
@@ -210,6 +239,10 @@ class ModelCard(BaseModel):
     name: str
     description: str
     release_date: str = Field(description="YYYY-MM-DD")
+    x_confidence: Literal["clef", "typesafe"] | None = Field(
+        None, description="Extension: the confidence definition in force (--confidence).")
+    x_question_ids: Literal["prompt", "opaque"] | None = Field(
+        None, description="Extension: whether question ids reach the model (--question-ids).")
 
 
 class OpenAIModel(BaseModel):

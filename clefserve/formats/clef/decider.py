@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from clefserve.confidence import CONFIDENCE_MODES
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
@@ -22,11 +23,19 @@ class ClefDecider:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_length: int = DEFAULT_MAX_LENGTH,
+        *,
+        confidence: str = "clef",
+        question_ids: str = "prompt",
     ) -> None:
+        """``confidence`` and ``question_ids``: the ``--confidence`` and ``--question-ids`` semantics
+        (README "Semantics"); the defaults answer exactly as Cloudflare's reference."""
+        if confidence not in CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {CONFIDENCE_MODES}, not {confidence!r}")
         self.folder = Path(folder)
+        self.confidence = confidence
         self.backbone = load_backbone(self.folder, dtype, device)
         self.head = load_head(self.folder, dtype, device, hidden_size=self.backbone.config.hidden_size)
-        self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        self.encoder = ClefEncoder.from_folder(self.folder, max_length, question_ids)
 
     def encode(self, request: dict[str, Any]) -> EncodedRecord:
         return self.encoder.encode(request)
@@ -44,7 +53,7 @@ class ClefDecider:
         raw: bool = False,
         cached_tokens: int | None = None,
     ) -> dict[str, Any]:
-        return build_response(request, record, logits, raw, cached_tokens)
+        return build_response(request, record, logits, raw, cached_tokens, self.confidence)
 
     @torch.inference_mode()
     def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False) -> list[dict[str, Any]]:
