@@ -22,7 +22,8 @@ log = logging.getLogger("clefserve")
 
 DESCRIPTION = """\
 clef-serve: an inference server for System One decision models (Cloudflare Clef / Clef-flash release
-format). It answers POST /v1/systemone like the published reference code, and also serves
+format). It answers POST /v1/systemone like the published reference code (also under OpenRouter's
+/api/alpha/decisions and Workers AI's /client/v4/accounts/ID/ai/run/@cf/cloudflare/clef), and also serves
 GET /v1/models, GET /health (liveness) and GET /ready (readiness)."""
 
 SERVE_EXAMPLES = """\

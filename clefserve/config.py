@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -43,6 +44,9 @@ class EngineConfig:
     shutdown_grace_s: float = 30.0
     confidence: str = "clef"
     question_ids: str = "prompt"
+    max_questions: int = 64
+    max_choice_labels: int = 255
+    max_score_levels: int = 10
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,6 +66,17 @@ class EngineConfig:
         if values.get("api_key") is None:
             values["api_key"] = os.environ.get("CLEF_API_KEY") or None
         return cls(**values)
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its error message
+    return parse
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +136,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_body_bytes,
         help="larger request bodies get 413 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-questions",
+        type=_at_least(1),
+        default=d.max_questions,
+        metavar="N",
+        help="most questions in one request; more is a 422 naming this flag (default: %(default)s, hosted "
+        "Clef's limit; TypeSafe states none)",
+    )
+    server.add_argument(
+        "--max-choice-labels",
+        type=_at_least(2),
+        default=d.max_choice_labels,
+        metavar="N",
+        help="most labels of one choice question (default: %(default)s, TypeSafe's limit)",
+    )
+    server.add_argument(
+        "--max-score-levels",
+        type=_at_least(2),
+        default=d.max_score_levels,
+        metavar="N",
+        help="most levels of one score question (default: %(default)s, TypeSafe's limit)",
     )
     server.add_argument("--x-raw-probabilities", dest="raw_probabilities", action="store_true",
                         help="add x_probabilities (unrounded fp32 probabilities) to each answer, for audits")

@@ -344,3 +344,47 @@ def test_the_official_sdk_parses_every_200_of_the_table(real_client: TestClient)
         assert list(parsed.answers) == list(payload["questions"]), name
         for qid, answer in parsed.scores.items():
             assert list(answer.legend.values()) == payload["questions"][qid]["criteria"], name
+
+
+@pytest.mark.parametrize("kind", ["box", "predict", "Noul"])
+def test_question_types_the_model_cannot_answer(client: TestClient, backend: FakeBackend, kind: str) -> None:
+    seen = len(backend.bodies)
+    payload = body(questions={"billing": {"type": "noul"}, "dog": {"type": kind, "instructions": "The dog"}})
+    response = send(client, payload)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert detail["error_type"] == "unsupported_question_type"
+    assert f"question 'dog' ('{kind}')" in detail["message"]
+    assert "it answers noul, choice, score questions" in detail["message"]
+    assert len(backend.bodies) == seen
+
+
+OVER_LIMIT = {  # flag: (body over the default, body at a raised limit, body over the raised limit)
+    "--max-questions": (body(questions={f"q{i}": {"type": "noul"} for i in range(65)}),
+                        body(questions={f"q{i}": {"type": "noul"} for i in range(80)}),
+                        body(questions={f"q{i}": {"type": "noul"} for i in range(81)})),
+    "--max-choice-labels": (question(type="choice", criteria=labels(256)),
+                            question(type="choice", criteria=labels(300)),
+                            question(type="choice", criteria=labels(301))),
+    "--max-score-levels": (question(type="score", criteria=[f"l{i}" for i in range(11)]),
+                           question(type="score", criteria=[f"l{i}" for i in range(16)]),
+                           question(type="score", criteria=[f"l{i}" for i in range(17)])),
+}
+
+
+@pytest.mark.parametrize("flag", list(OVER_LIMIT))
+def test_every_count_limit_names_the_flag_that_raises_it(backend: FakeBackend, flag: str) -> None:
+    over_default, at_raised, over_raised = OVER_LIMIT[flag]
+    raised = EngineConfig(max_questions=80, max_choice_labels=300, max_score_levels=16)
+    with TestClient(create_app(backend, EngineConfig())) as default, \
+            TestClient(create_app(backend, raised)) as custom:
+        assert_names_problem(send(default, over_default), 422, None, f"(this server's {flag})")
+        assert send(custom, over_default).status_code == 200
+        assert send(custom, at_raised).status_code == 200
+        limit = {"--max-questions": 80, "--max-choice-labels": 300, "--max-score-levels": 16}[flag]
+        assert_names_problem(send(custom, over_raised), 422, None, f"at most {limit} allowed")
+        assert_names_problem(send(custom, over_raised), 422, None, f"(this server's {flag})")
+        schemas = custom.get("/openapi.json").json()["components"]["schemas"]
+        assert schemas["SystemOneRequest"]["properties"]["questions"]["maxProperties"] == 80
+        assert schemas["ChoiceQuestion"]["properties"]["criteria"]["maxProperties"] == 300
+        assert schemas["ScoreQuestion"]["properties"]["criteria"]["maxItems"] == 16

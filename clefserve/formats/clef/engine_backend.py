@@ -21,7 +21,7 @@ from clefserve.config import EngineConfig
 from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
 from clefserve.errors import RequestError
 from clefserve.formats.clef.decider import ClefDecider
-from clefserve.formats.clef.records import EncodedRecord
+from clefserve.formats.clef.records import QUESTION_TYPES, EncodedRecord
 
 if TYPE_CHECKING:
     from clefserve.server.metrics import Metrics
@@ -90,6 +90,10 @@ class EngineBackend:
     def model_cards(self) -> list[dict[str, Any]]:
         return [{"name": self._name, "description": self._description,
                  "release_date": self._release_date.isoformat()}]
+
+    def question_types(self) -> tuple[str, ...]:
+        """What a Clef head answers (its type embedding's rows); ``box`` and others are refused."""
+        return tuple(QUESTION_TYPES)
 
     def ready(self) -> tuple[bool, str]:
         ok = self.engine is not None and not self.engine.closed and self._check_failure is None
@@ -216,7 +220,14 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
         if engine is None or decider is None or engine.closed or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
-        record = await asyncio.to_thread(decider.encode, body)
+        try:
+            record = await asyncio.to_thread(decider.encode, body)
+        except RequestError as exc:
+            if exc.error_type != "tokens_exceeded":
+                raise
+            # the reference's message, and the flag that raises the limit
+            message = f"{exc.message} (this server's --max-length)"
+            raise RequestError(message, exc.status, exc.error_type) from None
         try:
             future = self._submit(engine, body, record, self.config.raw_probabilities)
         except EngineClosedError as exc:
