@@ -22,7 +22,8 @@ log = logging.getLogger("clefserve")
 
 DESCRIPTION = """\
 clef-serve: an inference server for System One decision models (Cloudflare Clef / Clef-flash release
-format). It answers POST /v1/systemone like the published reference code, and also serves
+format). It answers POST /v1/systemone like the published reference code (also under OpenRouter's
+/api/alpha/decisions and Workers AI's /client/v4/accounts/ID/ai/run/@cf/cloudflare/clef), and also serves
 GET /v1/models, GET /v1/status, GET /health (liveness), GET /ready (readiness) and a browser console at /."""
 
 SERVE_EXAMPLES = """\
@@ -105,7 +106,8 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     from clefserve.model.ops.faults import ops_from_environment
     from clefserve.model.ops.select import describe
 
-    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels)
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels,
+                          confidence=config.confidence, question_ids=config.question_ids)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
     log.info(describe(decider.backbone.ops, decider.backbone.device, config.torch_dtype))
     return decider
@@ -126,7 +128,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     finally:
         assert backend.engine is not None
         backend.engine.shutdown()
-    problems += transformers_check(folder, decider)
+    problems += transformers_check(folder, decider, config)
     for problem in problems:
         print(f"MISMATCH {problem}")
     verdict = "FAILED" if problems else "passed"
@@ -134,7 +136,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 1 if problems else 0
 
 
-def transformers_check(folder: Path, decider: Any) -> list[str]:
+def transformers_check(folder: Path, decider: Any, config: EngineConfig) -> list[str]:
     """Final hidden rows of the canary records against transformers' Qwen3.5, when it is installed."""
     try:
         import transformers
@@ -143,7 +145,7 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
         return []
     import torch
 
-    from clefserve.formats.clef.canary import canary_requests
+    from clefserve.formats.clef.canary import build_canaries
 
     transformers.logging.set_verbosity_error()
     arch = decider.backbone.config.architecture
@@ -152,13 +154,15 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
     tolerance = 1e-3 if decider.backbone.dtype == torch.float32 else 1e-1
     problems = []
     with torch.inference_mode():
-        for i, request in enumerate(canary_requests()):
-            ids = torch.tensor(decider.encode(request).input_ids)
+        canaries, _ = build_canaries(decider.encode, config.prefill_chunk_size, config.max_length)
+        for i, canary in enumerate(canaries):
+            ids = torch.tensor(canary.record.input_ids)
             ours, _ = decider.backbone.run_sequence(ids)
             ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
             diff = (ours.float() - ref.float()).abs().max().item()
             if not diff <= tolerance * max(1.0, ref.float().abs().max().item()):
-                problems.append(f"canary {i}: hidden rows differ from transformers by {diff:.3g}")
+                problems.append(f"canary {i + 1} ({canary.name}): hidden rows differ from transformers by "
+                                f"{diff:.3g}")
     return problems
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+from clefserve.confidence import CONFIDENCE_MODES
+from clefserve.formats.clef.encoder import QUESTION_ID_MODES
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,6 +44,11 @@ class EngineConfig:
     shutdown_grace_s: float = 30.0
     kernels: str = "auto"
     console: bool = True
+    confidence: str = "clef"
+    question_ids: str = "prompt"
+    max_questions: int = 64
+    max_choice_labels: int = 255
+    max_score_levels: int = 10
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -59,6 +68,17 @@ class EngineConfig:
         if values.get("api_key") is None:
             values["api_key"] = os.environ.get("CLEF_API_KEY") or None
         return cls(**values)
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its error message
+    return parse
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +140,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_body_bytes,
         help="larger request bodies get 413 (default: %(default)s)",
     )
+    server.add_argument(
+        "--max-questions",
+        type=_at_least(1),
+        default=d.max_questions,
+        metavar="N",
+        help="most questions in one request; more is a 422 naming this flag (default: %(default)s, hosted "
+        "Clef's limit; TypeSafe states none)",
+    )
+    server.add_argument(
+        "--max-choice-labels",
+        type=_at_least(2),
+        default=d.max_choice_labels,
+        metavar="N",
+        help="most labels of one choice question (default: %(default)s, TypeSafe's limit)",
+    )
+    server.add_argument(
+        "--max-score-levels",
+        type=_at_least(2),
+        default=d.max_score_levels,
+        metavar="N",
+        help="most levels of one score question (default: %(default)s, TypeSafe's limit)",
+    )
     server.add_argument("--x-raw-probabilities", dest="raw_probabilities", action="store_true",
                         help="add x_probabilities (unrounded fp32 probabilities) to each answer, for audits")
     server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
@@ -134,6 +176,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--no-console", dest="console", action="store_false",
                         help="do not serve the browser console at / (GET /v1/status stays)")
+    semantics = parser.add_argument_group("semantics (README \"Semantics\": where Clef and TypeSafe differ)")
+    semantics.add_argument(
+        "--confidence",
+        choices=CONFIDENCE_MODES,
+        default=d.confidence,
+        help="confidence of choice and score answers: 'clef' = the top probability, as Cloudflare's "
+        "reference; 'typesafe' = TypeSafe's documented formulas ((m - 1/n)/(1 - 1/n) for a choice, "
+        "1 - spread around the mode / a uniform answer's spread for a score) (default: %(default)s)",
+    )
+    semantics.add_argument(
+        "--question-ids",
+        choices=QUESTION_ID_MODES,
+        default=d.question_ids,
+        help="'prompt' = write each question id into the model's record, as Cloudflare's encoding (renaming "
+        "a question can change its answer); 'opaque' = write positional names q1, q2, ... instead, so "
+        "ids never reach the model (not what the model was trained on: accuracy may differ) "
+        "(default: %(default)s)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--kernels",

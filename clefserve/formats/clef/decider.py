@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from clefserve.confidence import CONFIDENCE_MODES
 from clefserve.errors import NonFiniteError, all_finite
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
@@ -28,10 +29,18 @@ class ClefDecider:
         device: str | torch.device = "cpu",
         max_length: int = DEFAULT_MAX_LENGTH,
         kernels: str = "auto",
+        *,
+        confidence: str = "clef",
+        question_ids: str = "prompt",
     ) -> None:
         """``kernels``: ``auto``/``fast`` picks the fastest ops for the device, ``reference`` the plain
-        torch ops (:mod:`clefserve.model.ops.select`)."""
+        torch ops (:mod:`clefserve.model.ops.select`). ``confidence`` and ``question_ids``: the
+        ``--confidence`` and ``--question-ids`` semantics (README "Semantics"); the defaults answer exactly as
+        Cloudflare's reference."""
+        if confidence not in CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {CONFIDENCE_MODES}, not {confidence!r}")
         self.folder = Path(folder)
+        self.confidence = confidence
         facts = device_facts(torch.device(device))
         check_dtype(facts, dtype)  # before loading: a V100 refuses bf16 at once
         self.backbone = load_backbone(self.folder, dtype, device)
@@ -40,7 +49,7 @@ class ClefDecider:
         # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
         head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
-        self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        self.encoder = ClefEncoder.from_folder(self.folder, max_length, question_ids)
 
     @classmethod
     def with_backbone(cls, folder: str | Path, backbone: Backbone, max_length: int = DEFAULT_MAX_LENGTH,
@@ -74,7 +83,7 @@ class ClefDecider:
         raw: bool = False,
         cached_tokens: int | None = None,
     ) -> dict[str, Any]:
-        return build_response(request, record, logits, raw, cached_tokens)
+        return build_response(request, record, logits, raw, cached_tokens, self.confidence)
 
     @torch.inference_mode()
     def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ import asyncio
 import datetime as dt
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future, as_completed
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,7 @@ from clefserve.config import EngineConfig
 from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
 from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.decider import ClefDecider
-from clefserve.formats.clef.records import EncodedRecord
+from clefserve.formats.clef.records import QUESTION_TYPES, EncodedRecord
 
 if TYPE_CHECKING:
     from clefserve.server.metrics import Metrics
@@ -120,6 +121,10 @@ class EngineBackend:
         return [{"name": self._name, "description": self._description,
                  "release_date": self._release_date.isoformat()}]
 
+    def question_types(self) -> tuple[str, ...]:
+        """What a Clef head answers (its type embedding's rows); ``box`` and others are refused."""
+        return tuple(QUESTION_TYPES)
+
     def ready(self) -> tuple[bool, str]:
         ok = self.engine is not None and not self.engine.closed and self._check_failure is None
         return ok, self._reason
@@ -150,24 +155,36 @@ class EngineBackend:
 
     def run_self_check(self) -> list[str]:
         """Canary records through the engine (batched, chunked, prefix cache on) against the one-piece
-        reference path; on any mismatch the backend stays unready and the log holds both answers."""
-        from clefserve.formats.clef.canary import self_check
+        reference path; on any mismatch the backend stays unready and the log holds both answers.
+        Progress (canary i of n, tokens, seconds) and what the engine exercised are logged."""
+        from clefserve.formats.clef import canary as canaries_module
 
         assert self.engine is not None and self.decider is not None
         self._check_failure = "self-check running"
         self._check_result = "running"
         self._reason = "running the startup self-check"
-        engine, decider = self.engine, self.decider
+        engine, decider, config = self.engine, self.decider, self.config
+        chunk = config.prefill_chunk_size
+        canaries, splits = canaries_module.build_canaries(
+            decider.encode, chunk, min(config.max_length, engine.kv.token_capacity))
+        log.info("startup self-check: %d canaries of %s tokens (%s), each through the engine and the "
+                 "reference path", len(canaries), " + ".join(f"{c.tokens:,}" for c in canaries),
+                 f"the long one's state of {canaries[0].state_tokens:,} tokens is longer than one "
+                 f"--prefill-chunk-size of {chunk}" if splits else
+                 f"records never exceed --prefill-chunk-size {chunk}: no chunk splits a state")
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+        served: list[dict[str, Any]] = []
+        steps_before = engine.stats()["steps"]
 
-        def serve(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def serve(checked: Sequence[canaries_module.Canary]) -> list[dict[str, Any]]:
             # all at once, so that they share steps, but within --max-queue: when it is full, wait for
             # the oldest unfinished canary and try again
-            futures: list[Any] = []
-            for body in requests:
-                record = decider.encode(body)
+            futures: list[Future] = []
+            for item in checked:
                 while True:
                     try:
-                        futures.append(self._submit(engine, body, record, raw=True))
+                        futures.append(self._submit(engine, item.request, item.record, raw=True))
                         break
                     except QueueFullError:
                         pending = [f for f in futures if not f.done()]
@@ -175,9 +192,19 @@ class EngineBackend:
                             pending[0].result()
                         else:
                             time.sleep(0.01)
-            return [future.result() for future in futures]
+            index = {future: i for i, future in enumerate(futures)}
+            for future in as_completed(futures):
+                i = index[future]
+                cached = future.result()["usage"].get("x_cached_tokens", 0)
+                log.info("self-check %s, serving path: %d tokens (%d from the prefix cache) after %.1f s",
+                         canaries_module.label(i, checked), checked[i].tokens, cached,
+                         time.perf_counter() - started)
+            timings["serving"] = time.perf_counter() - started
+            served.extend(future.result() for future in futures)
+            return served
 
-        problems, report = self_check(decider, serve, decider.backbone.dtype)
+        problems, report = canaries_module.self_check(decider, serve, canaries, decider.backbone.dtype)
+        elapsed = time.perf_counter() - started
         self._check_finished_at = dt.datetime.now(dt.UTC)
         self._check_result = "failed" if problems else "passed"
         self._check_problem = problems[0] if problems else None
@@ -186,10 +213,21 @@ class EngineBackend:
             self._check_failure = problems[0]
             self._reason = f"startup self-check failed: {problems[0]}{more}"
             log.error("startup self-check FAILED, not serving: %s; answers: %s", "; ".join(problems), report)
-        else:
-            self._check_failure = None
-            self._reason = "ready"
-            log.info("startup self-check passed (%s ops)", decider.backbone.ops.name)
+            return problems
+        new_steps = engine.stats()["steps"] - steps_before
+        trace = engine.recent_steps()[-new_steps:] if new_steps > 0 else []
+        covered = canaries_module.coverage(canaries, served, trace, chunk)
+        self._check_failure = None
+        self._reason = "ready"
+        log.info("startup self-check passed (%s ops) in %.1f s (serving path %.1f s, reference path "
+                 "%.1f s): %s", decider.backbone.ops.name, elapsed, timings["serving"],
+                 elapsed - timings["serving"], covered.summary())
+        if splits and not covered.budget_split:
+            log.warning("self-check: the engine did not split the long canary inside its state; chunked "
+                        "prefill inside a segment was not checked")
+        if not covered.shared_state_cached:
+            log.warning("self-check: no canary resumed a shared state from the prefix cache%s",
+                        " (--no-prefix-cache)" if not config.prefix_cache else "")
         return problems
 
     @staticmethod
@@ -216,7 +254,14 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
         if engine is None or decider is None or engine.closed or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
-        record = await asyncio.to_thread(decider.encode, body)
+        try:
+            record = await asyncio.to_thread(decider.encode, body)
+        except RequestError as exc:
+            if exc.error_type != "tokens_exceeded":
+                raise
+            # the reference's message, and the flag that raises the limit
+            message = f"{exc.message} (this server's --max-length)"
+            raise RequestError(message, exc.status, exc.error_type) from None
         try:
             future = self._submit(engine, body, record, self.config.raw_probabilities)
         except EngineClosedError as exc:
