@@ -12,16 +12,15 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from clefserve import __version__
 from clefserve.config import EngineConfig
 from clefserve.errors import RequestError
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend
-from clefserve.server.body import decode_body, parse_json, read_body
+from clefserve.server.body import decode_body, parse_json, read_body, validated_request
 from clefserve.server.draining import CancelledRequestGuard
-from clefserve.server.errors import error_detail, from_request_error, validation_failed
+from clefserve.server.errors import error_detail, from_request_error
 from clefserve.server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from clefserve.server.protocol import (
     ErrorResponse,
@@ -123,11 +122,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         summary="Answer questions about a state",
     )
     async def systemone(request: Request) -> JSONResponse:
-        body = await _read_request(request, config)
-        try:
-            SystemOneRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_failed(exc) from None
+        body = validated_request(await _read_request(request, config))
         request_id: str = request.state.request_id
         try:
             # The body as parsed, not a model dump: key order and 1 vs 1.0 reach the tokens.

@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 from fastapi import HTTPException
+from pydantic import ValidationError
 
 from clefserve.server.decoding import ContentDecodingError, decode_content
+from clefserve.server.errors import validation_failed
 from clefserve.server.limits import MAX_INTEGER_DIGITS, MAX_JSON_DEPTH
+from clefserve.server.protocol import SystemOneRequest
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -109,6 +112,17 @@ def parse_json(raw: bytes) -> Any:
         _json_error(str(exc))
     _check_tree(value)
     return value
+
+
+def validated_request(body: Any) -> dict[str, Any]:
+    """``body`` (parsed JSON) when it is a valid System One request, returned unchanged: the backend gets the
+    body as parsed, because key order and ``1`` vs ``1.0`` reach the tokens. Else a 422 with FastAPI's
+    ``detail[]``. The HTTP route and ``clef-serve batch`` both decide through this function."""
+    try:
+        SystemOneRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_failed(exc) from None
+    return body
 
 
 def _check_tree(value: Any) -> None:
