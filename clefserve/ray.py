@@ -4,19 +4,19 @@ records through it. Beyond one machine, Ray does the distribution; nothing here 
 Install the extra (``pip install 'clefserve[ray]'``), then::
 
     import ray
-    from clefserve.ray import ClefDecisions
+    from clefserve.ray import ClefDecisions, decide
 
     ds = ray.data.read_text("tickets.jsonl")     # a "text" column: one /v1/systemone body per line ...
     ds = ray.data.read_csv("tickets.csv")        # ... or a table, with questions and state_columns
-    answers = ds.map_batches(
-        ClefDecisions,
-        fn_constructor_kwargs={"weights": "/models/clef-flash", "device": "0", "dtype": "bf16",
-                               "questions": questions, "state_columns": ["message"]},
-        concurrency=4,                 # 4 actors, one engine each
-        num_gpus=1,                    # one GPU per actor (leave out on CPU)
-        batch_size=256,                # records per call; the engine keeps --max-num-seqs of them running
-    )
+    answers = decide(ds, actors=4, num_gpus=1, batch_size=256,   # 4 actors, one engine and GPU each
+                     weights="/models/clef-flash", device="0", dtype="bf16", max_num_seqs=32,
+                     questions=questions, state_columns=["message"])
     answers.write_parquet("answers/")
+
+``decide`` is ``ds.map_batches(ClefDecisions, fn_constructor_kwargs=..., compute=ActorPoolStrategy(size=
+actors), ...)``; call ``map_batches`` yourself for anything else. Ray counts CPUs as slots: each actor
+takes ``num_cpus`` (default 1) and reading the input takes one more, so a cluster needs at least
+``actors * num_cpus + 1`` of them or the read waits forever (``ray.init(num_cpus=...)`` on one machine).
 
 A row is a record in one of two forms: a ``text`` column (``body_column``) holding a whole
 ``/v1/systemone`` body as JSON text, a line of ``clef-serve batch``'s JSONL with its optional ``id`` (read
@@ -27,6 +27,8 @@ null on error) and ``error`` (the error as JSON text, null on success), and ``id
 the input has no id column: answers are computed by exactly the code of the server and of
 ``clef-serve batch``. A record that fails with an internal error gets status 500 instead of failing the
 whole batch. ``scripts/ray_example.py`` is a runnable example on the embedded demo model.
+Unlike ``clef-serve batch``, nothing here resumes an interrupted run: Ray retries failed tasks, and the
+output is written by the Dataset's own writers.
 """
 
 from __future__ import annotations
@@ -182,3 +184,24 @@ class ClefDecisions:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown
             self.close()
+
+
+def decide(
+    dataset: Any,
+    *,
+    actors: int = 1,
+    batch_size: int = 64,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    decisions_class: type[ClefDecisions] = ClefDecisions,
+    **options: Any,
+) -> Any:
+    """``dataset`` mapped through ``actors`` actors of ``decisions_class`` (one engine each), ``batch_size``
+    records per call; ``options`` go to its constructor (see :class:`ClefDecisions`). Lazy, like every
+    Dataset transform: the work runs when the result is consumed or written."""
+    import ray.data
+
+    return dataset.map_batches(
+        decisions_class, fn_constructor_kwargs=options, batch_size=batch_size, num_cpus=num_cpus,
+        num_gpus=num_gpus, compute=ray.data.ActorPoolStrategy(size=actors),
+    )

@@ -9,7 +9,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from clefserve.batch.records import item_from_json, validate
-from clefserve.batch.sources import CsvSource, InputError, JsonlSource, ParquetSource, load_questions, open_source
+from clefserve.batch.sources import (
+    CsvSource,
+    InputError,
+    JsonlSource,
+    ParquetSource,
+    load_questions,
+    open_source,
+)
 from clefserve.config import EngineConfig
 from clefserve.server import create_app
 

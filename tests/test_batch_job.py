@@ -164,7 +164,8 @@ def test_parquet_output_is_journaled_then_merged(tmp_path: Path) -> None:
     rows = pq.read_table(target).to_pylist()
     assert [r["id"] for r in rows] == ["a", "b", "a-bad", "c", "c-bad"]
     assert rows[0]["status"] == 200 and json.loads(rows[0]["response"]) == {"model": "m", "answers": {}}
-    assert rows[2]["status"] == 422 and rows[2]["response"] is None and json.loads(rows[2]["error"])["message"]
+    assert rows[2]["status"] == 422 and rows[2]["response"] is None
+    assert json.loads(rows[2]["error"]) == {"status": 422, "message": "no"}
     again = IdSet()
     ParquetOutput(target).open(again)
     assert len(again) == 5 and "c-bad" in again

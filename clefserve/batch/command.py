@@ -112,6 +112,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from clefserve.batch.sources import InputError, format_of, load_questions, open_source
     from clefserve.cli import configure_logging, release_folder, serving_decider
     from clefserve.config import EngineConfig
+    from clefserve.errors import RequestError
     from clefserve.formats.clef.engine_backend import EngineBackend
 
     config = EngineConfig.from_args(args)
@@ -142,9 +143,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         backend = EngineBackend(serving_decider(folder, config, device), config, name)
         assert backend.engine is not None
         try:
-            if backend.run_self_check():
-                print("clef-serve batch: the startup self-check failed (the log has both answers); not "
-                      "answering with this build", file=sys.stderr)
+            try:
+                problems = backend.run_self_check()
+            except RequestError as exc:  # e.g. a --max-length too short for the canary records
+                problems = [f"{exc.message}"]
+            if problems:
+                print(f"clef-serve batch: the startup self-check failed ({problems[0]}; the log has the "
+                      "details): not answering with this build and these flags", file=sys.stderr)
                 return 1
             feeder = EngineFeeder(backend, window_for(config.max_num_seqs, config.max_queue))
             progress = Progress(None if total is None else max(0, total - output.lines), args.quiet)
@@ -175,10 +180,9 @@ def _logs_beside(progress: Any) -> Any:
 
 def _report(result: Any, progress: Any, args: argparse.Namespace) -> int:
     text, fields = progress.summary(result.tally)
+    print(text, file=sys.stderr)
     if args.quiet:
-        log.info(text, extra={"summary": fields})
-    else:
-        print(text, file=sys.stderr)
+        log.info("batch finished", extra={"summary": fields})
     tally = result.tally
     if result.signal_name is not None:
         what = ("abandoned at the end of --shutdown-grace-s" if result.abandoned_on_timeout
