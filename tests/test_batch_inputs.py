@@ -169,3 +169,44 @@ def test_parquet_rows_keep_their_types(tmp_path: Path) -> None:
     assert items[0].body["state"] == {"amount": 1250.0, "tags": ["a", "b"], "when": "1970-01-01"}
     assert items[1].error is not None and "NaN" in items[1].error["message"]  # as the server refuses NaN
     assert items[2].body["state"]["tags"] is None
+
+
+# ---- the command line (errors that come before any model is loaded) ----
+
+def test_batch_help_lists_its_flags_and_hides_the_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    from clefserve import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["batch", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("INPUT", "--output", "--questions", "--state-column", "--id-column", "--quiet",
+                 "--fsync-interval-s", "--lookahead", "--max-num-seqs", "--x-raw-probabilities", "--w"):
+        assert flag in out
+    assert "--api-key" not in out and "--port" not in out and "join on id" in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["batch", "in.jsonl"], "required: -o"),
+    (["batch", "missing.jsonl", "-o", "out.jsonl"], "no such file"),
+    (["batch", "in.jsonl", "-o", "out.jsonl", "--questions", "q.json"], "for CSV and Parquet"),
+    (["batch", "in.csv", "-o", "out.jsonl"], "needs --questions"),
+    (["batch", "in.jsonl", "-o", "bad.jsonl"], "refusing to append"),
+])
+def test_batch_argument_errors(argv: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    from clefserve import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text(json.dumps(BODY) + "\n")
+    (tmp_path / "in.csv").write_text("id,message\n1,x\n")
+    (tmp_path / "q.json").write_text(json.dumps(QUESTIONS))
+    (tmp_path / "bad.jsonl").write_text("not a batch line\n")
+    monkeypatch.setattr("clefserve.cli.configure_logging", lambda level: None)
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert needle in capsys.readouterr().err
+    assert (tmp_path / "bad.jsonl").read_text() == "not a batch line\n"
