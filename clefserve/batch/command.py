@@ -156,7 +156,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             job = BatchJob(iter(source), feeder, output, done, progress,
                            Lookahead(args.lookahead, DEFAULT_LOOKAHEAD_BYTES), config.shutdown_grace_s)
             with StopSignals() as signals, _logs_beside(progress):
-                result = job.run(signals)
+                try:
+                    result = job.run(signals)
+                except OSError as exc:  # e.g. the disk is full: what was written stays
+                    print(f"clef-serve batch: writing {args.output} failed: {exc}. The lines written before "
+                          "are kept; run the same command again to continue.", file=sys.stderr)
+                    return 1
         finally:
             backend.engine.shutdown()
         if result.completed:

@@ -33,6 +33,9 @@ from clefserve.engine import QueueFullError
 log = logging.getLogger("clefserve.batch")
 
 READS_PER_TURN = 64
+# A turn of the loop reads and encodes for at most about this long, so that finished answers are written
+# soon even when records are large (a 1 MiB state takes a noticeable time to parse and tokenize).
+TURN_BUDGET_S = 0.1
 WAIT_S = 0.05
 DEFAULT_LOOKAHEAD = 1024
 DEFAULT_LOOKAHEAD_BYTES = 64 << 20
@@ -115,8 +118,9 @@ class BatchJob:
 
     def _read(self) -> bool:
         """Up to READS_PER_TURN records into the lookahead; True once the input is used up."""
+        until = time.monotonic() + TURN_BUDGET_S
         for _ in range(READS_PER_TURN):
-            if self.lookahead.full:
+            if self.lookahead.full or time.monotonic() > until:
                 return False
             item = next(self.records, None)
             if item is None:
@@ -142,7 +146,10 @@ class BatchJob:
             self.lookahead.add(item)
 
     def _submit(self) -> None:
+        until = time.monotonic() + TURN_BUDGET_S
         while self.lookahead and self.feeder.has_room:
+            if self.feeder.in_flight and time.monotonic() > until:
+                return
             item = self.lookahead.pop()
             try:
                 outcome = self.feeder.submit(item)
