@@ -192,6 +192,7 @@ def test_batch_help_lists_its_flags_and_hides_the_servers(capsys: pytest.Capture
     (["batch", "in.jsonl", "-o", "out.jsonl", "--questions", "q.json"], "for CSV and Parquet"),
     (["batch", "in.csv", "-o", "out.jsonl"], "needs --questions"),
     (["batch", "in.jsonl", "-o", "bad.jsonl"], "refusing to append"),
+    (["batch", "in.jsonl", "-o", "./in.jsonl"], "the same file"),
 ])
 def test_batch_argument_errors(argv: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture[str]) -> None:

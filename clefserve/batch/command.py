@@ -123,6 +123,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--d {config.device!r}: expected 'cpu' or a GPU index such as 0")
     if args.lookahead < 1 or args.fsync_interval_s < 0:
         parser.error("--lookahead must be at least 1 and --fsync-interval-s at least 0")
+    if args.input.exists() and args.output.exists() and args.input.samefile(args.output):
+        parser.error("INPUT and OUTPUT are the same file")
     configure_logging(config.log_level)
     out_format = args.output_format or ("parquet" if args.output.suffix.lower() in (".parquet", ".pq")
                                         else "jsonl")
