@@ -3,7 +3,8 @@
     python -m benchmarks.batch [--records 400] [--rss-lines 100000] [--threads 2]
 
 1. Throughput on one workload: ``--records`` held-out support tickets of the embedded demo model's task
-   (``clefserve.testing.triage``; the demo model, its default flags), answered
+   (``clefserve.testing.triage``; the demo model, its default flags), or with ``--workload tiny`` short
+   random tickets on a tiny random release (where the per-request cost of HTTP weighs most), answered
    a. by ``clef-serve batch`` (the engine in-process): records/s over its processing time, from its summary;
    b. by a ``clef-serve`` process with the same flags, called by the official ``typesafe-sdk`` client from 8
       threads (concurrency 8): records/s from the first request to the last answer.
@@ -99,11 +100,31 @@ def run_sdk(bodies: list[dict[str, Any]], workdir: Path, threads: int, flags: li
         return time.perf_counter() - start, tokens
 
 
+def tiny_release(workdir: Path) -> Path:
+    from clefserve.testing.release import ReleaseSpec, build_release
+
+    spec = ReleaseSpec(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return build_release(workdir / "tiny", spec)
+
+
+def tiny_tickets(count: int, seed: int = 5) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    questions = {"refund": {"type": "noul", "criteria": {"true": None, "false": None}},
+                 "team": {"type": "choice", "criteria": {"billing": None, "tech": None, "sales": None}}}
+    return [{"id": f"T-{i}", "model": "m", "questions": questions,
+             "state": {"ticket": i, "message": " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))}}
+            for i in range(count)]
+
+
 def throughput(args: argparse.Namespace, workdir: Path) -> None:
-    bodies = demo_tickets(args.records)
-    records = write_jsonl(workdir / "tickets.jsonl", bodies)
     flags = args.engine_args.split()
-    print(f"throughput: {len(bodies)} demo tickets, demo model, {args.threads} torch threads, flags "
+    if args.workload == "tiny":
+        flags = ["--w", str(tiny_release(workdir)), *flags]
+        bodies, what = tiny_tickets(args.records), "short random tickets, tiny random release"
+    else:
+        bodies, what = demo_tickets(args.records), "demo tickets, demo model"
+    records = write_jsonl(workdir / "tickets.jsonl", bodies)
+    print(f"throughput: {len(bodies)} {what}, {args.threads} torch threads, flags "
           f"{' '.join(flags) or '(defaults)'}", flush=True)
     sdk_wall, sdk_tokens = run_sdk(bodies, workdir, args.threads, flags, args.concurrency)
     sdk_rate = len(bodies) / sdk_wall
@@ -145,10 +166,7 @@ def long_input(path: Path, lines: int, states: int, seed: int) -> Path:
 
 
 def memory(args: argparse.Namespace, workdir: Path) -> None:
-    from clefserve.testing.release import ReleaseSpec, build_release
-
-    release = build_release(workdir / "tiny", ReleaseSpec(num_hidden_layers=2,
-                                                         layer_types=["linear_attention", "full_attention"]))
+    release = tiny_release(workdir)
     records = long_input(workdir / "long.jsonl", args.rss_lines, args.rss_states, seed=1)
     out = workdir / "long-answers.jsonl"
     flags = ["--w", str(release), "--max-num-seqs", "16", "--kv-cache-mb", str(args.kv_cache_mb),
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--records", type=int, default=400, help="tickets for the throughput comparison")
+    parser.add_argument("--workload", choices=["demo", "tiny"], default="demo")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--engine-args", default="", help="extra engine flags for both sides")
