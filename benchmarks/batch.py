@@ -109,8 +109,11 @@ def tiny_release(workdir: Path) -> Path:
 
 def tiny_tickets(count: int, seed: int = 5) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    questions = {"refund": {"type": "noul", "criteria": {"true": None, "false": None}},
-                 "team": {"type": "choice", "criteria": {"billing": None, "tech": None, "sales": None}}}
+    questions = {
+        "refund": {"type": "noul", "instructions": "refund?", "criteria": {"true": None, "false": None}},
+        "team": {"type": "choice", "instructions": "team?",
+                 "criteria": {"billing": None, "tech": None, "sales": None}},
+    }
     return [{"id": f"T-{i}", "model": "m", "questions": questions,
              "state": {"ticket": i, "message": " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))}}
             for i in range(count)]
