@@ -1,6 +1,7 @@
 """The ``clef-serve`` command.
 
-``serve`` is the default subcommand, so candle-vllm style arguments work as they are:
+``serve`` is the default subcommand (the others: ``verify``, ``batch``), so candle-vllm style arguments
+work as they are:
 ``clef-serve --w /models/clef-flash --d 0 --dtype bf16 --p 8080``.
 """
 
@@ -224,7 +225,7 @@ def console_address(host: str, port: int) -> str:
 
 Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 # Subcommand names; the first argument is taken as one of these, else "serve" is assumed.
-COMMANDS = ("serve", "verify")
+COMMANDS = ("serve", "verify", "batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(verify)
     verify.set_defaults(run=run_verify, command_parser=verify)
+    from clefserve.batch.command import add_batch_command
+
+    add_batch_command(commands)
     return parser
 
 

@@ -81,7 +81,8 @@ def test_a_server_with_the_broken_conv_never_turns_ready(make_release, tmp_path)
         model = httpx.get(f"{server.url}/v1/status", timeout=10).json()["model"]
         assert (model["ready"], model["phase"], model["self_check"]["result"]) == (
             False, "self_check_failed", "failed")
-        assert model["self_check"]["problem"].startswith("canary 1 of 3") and model["self_check"]["finished_at"]
+        assert model["self_check"]["problem"].startswith("canary 1 of 3")
+        assert model["self_check"]["finished_at"]
         text = log.read_text()
         assert "startup self-check FAILED" in text and "canary 1 of 3 (long)" in text
     finally:

@@ -14,7 +14,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clefserve import __version__
@@ -23,16 +22,10 @@ from clefserve.errors import RequestError
 from clefserve.server import workers_ai
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend, question_types
-from clefserve.server.body import decode_body, parse_json, read_body
+from clefserve.server.body import decode_body, parse_json, read_body, validated_request
 from clefserve.server.console import add_console_routes
 from clefserve.server.draining import CancelledRequestGuard
-from clefserve.server.errors import (
-    error_detail,
-    from_request_error,
-    routing_error,
-    unsupported_question_type,
-    validation_failed,
-)
+from clefserve.server.errors import error_detail, from_request_error, routing_error
 from clefserve.server.limits import RequestLimits
 from clefserve.server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from clefserve.server.protocol import (
@@ -43,7 +36,6 @@ from clefserve.server.protocol import (
     ReadyResponse,
     SystemOneRequest,
     SystemOneResponse,
-    unsupported_questions,
 )
 from clefserve.server.request_id import RequestIdMiddleware
 from clefserve.server.status import StatusReporter, StatusResponse
@@ -196,14 +188,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         body = await _read_request(request, config)
         if adapt is not None:
             body = adapt(body)
-        supported = question_types(backend)
-        refused = unsupported_questions(body, supported)
-        if refused:
-            raise unsupported_question_type(refused, supported)
-        try:
-            SystemOneRequest.model_validate(body, context={"limits": limits})
-        except ValidationError as exc:
-            raise validation_failed(exc) from None
+        validated_request(body, limits, question_types(backend))
         request_id: str = request.state.request_id
         try:
             # The body as parsed, not a model dump: key order and 1 vs 1.0 reach the tokens.

@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 from fastapi import HTTPException
+from pydantic import ValidationError
 
 from clefserve.server.decoding import ContentDecodingError, decode_content
-from clefserve.server.limits import MAX_INTEGER_DIGITS, MAX_JSON_DEPTH
+from clefserve.server.errors import unsupported_question_type, validation_failed
+from clefserve.server.limits import MAX_INTEGER_DIGITS, MAX_JSON_DEPTH, RequestLimits
+from clefserve.server.protocol import SystemOneRequest, unsupported_questions
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -109,6 +112,25 @@ def parse_json(raw: bytes) -> Any:
         _json_error(str(exc))
     _check_tree(value)
     return value
+
+
+def validated_request(
+    body: Any, limits: RequestLimits | None = None, supported: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """``body`` (parsed JSON) when it is a valid System One request within ``limits`` (the flags' bounds;
+    the defaults when None) asking only ``supported`` question types, returned unchanged: the backend gets
+    the body as parsed, because key order and ``1`` vs ``1.0`` reach the tokens. Else a 422: FastAPI's
+    ``detail[]``, or ``unsupported_question_type``. Every HTTP decision route and ``clef-serve batch``
+    decide through this function."""
+    if supported is not None:
+        refused = unsupported_questions(body, supported)
+        if refused:
+            raise unsupported_question_type(refused, supported)
+    try:
+        SystemOneRequest.model_validate(body, context={"limits": limits or RequestLimits()})
+    except ValidationError as exc:
+        raise validation_failed(exc) from None
+    return body
 
 
 def _check_tree(value: Any) -> None:

@@ -237,6 +237,16 @@ class EngineBackend:
         points = (record.prefix_end, record.state_end, len(record.input_ids))
         return engine.submit(record.input_ids, payload=(body, record, raw), snapshot_points=points)
 
+    def submit(self, body: dict[str, Any]) -> Future:
+        """Encode a validated body and queue it without waiting (``clef-serve batch``, ``clefserve.ray``):
+        the same encoding, resume points, head and answers as :meth:`decide`. The future resolves to the
+        response body. Raises :class:`RequestError` at once for a record that can never run (the 4xx the
+        HTTP route would send) and :class:`EngineClosedError` after shutdown."""
+        engine, decider = self.engine, self.decider
+        if engine is None or decider is None or self._check_failure is not None:
+            raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
+        return self._submit(engine, body, decider.encode(body), self.config.raw_probabilities)
+
     async def stop(self) -> None:
         """After the server has drained (uvicorn waits up to --shutdown-grace-s for in-flight requests):
         stop the engine; sequences still in it fail with EngineClosedError."""
