@@ -23,6 +23,10 @@ Names (all prefixed ``clef_``):
   (finished, cancelled, failed, rejected); with the prefix cache on ``clef_engine_prefix_cache_bytes`` /
   ``_budget_bytes``, ``clef_engine_prefix_cache_hits_total``, ``_hit_tokens_total``, ``_evictions_total``;
   ``clef_model_ready`` (1 once the model serves).
+- live audit (at scrape time, from ``stats()["audit"]``):
+  ``clef_audit_total{result="match|mismatch|skipped"}``, ``clef_audit_max_probability_difference``
+  (histogram of the largest option difference per audited request), ``clef_audit_queued`` (samples waiting
+  for idle time).
 - ``process_*``: the process collector (resident memory, CPU seconds, open fds).
 """
 
@@ -42,7 +46,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
@@ -156,6 +160,25 @@ class EngineCollector:
         for outcome in ("finished", "cancelled", "failed", "rejected"):
             outcomes.add_metric([outcome], s[outcome])
         yield outcomes
+        if "audit" in s:
+            yield from audit_metrics(s["audit"])
+
+
+def audit_metrics(audit: dict[str, Any]) -> Iterator[Metric]:
+    """The live audit's counters and histogram (clefserve.formats.clef.audit), also when it is off."""
+    results = CounterMetricFamily("clef_audit", "Answered requests sampled by the live audit, by result "
+                                  "against the reference path", labels=["result"])
+    for result in ("match", "mismatch", "skipped"):
+        results.add_metric([result], audit[result])
+    yield results
+    histogram = audit["max_difference"]
+    buckets = [("+Inf" if bound == float("inf") else repr(bound), count)
+               for bound, count in histogram["buckets"]]
+    yield HistogramMetricFamily("clef_audit_max_probability_difference",
+                                "Largest |serving - reference| option probability per audited request",
+                                buckets=buckets, sum_value=histogram["sum"])
+    yield GaugeMetricFamily("clef_audit_queued", "Sampled requests waiting for idle engine time",
+                            value=audit["queued"])
 
 
 class MetricsMiddleware:

@@ -9,7 +9,8 @@ option probability differs by more than the dtype's tolerance. ``clef-serve veri
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,15 +63,22 @@ def compare(serving: list[dict[str, Any]], reference: list[dict[str, Any]], tole
     return problems
 
 
-def reference_answers(decider: Any, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One piece per record, torch reference ops; the serving ops are put back afterwards."""
-    backbone = decider.backbone
+@contextmanager
+def using_reference_ops(backbone: Any) -> Iterator[None]:
+    """The torch reference ops inside the block, the serving ops put back afterwards. Only for the thread
+    that runs the backbone (the engine's worker, or any thread while the engine is idle)."""
     serving_ops = backbone.ops
     backbone.set_ops(reference_ops())
     try:
-        return decider.decide_batch(requests, raw=True)
+        yield
     finally:
         backbone.set_ops(serving_ops)
+
+
+def reference_answers(decider: Any, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One piece per record, torch reference ops; the serving ops are put back afterwards."""
+    with using_reference_ops(decider.backbone):
+        return decider.decide_batch(requests, raw=True)
 
 
 def self_check(
