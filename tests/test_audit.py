@@ -117,6 +117,48 @@ def test_late_fault_zeroes_only_the_positions_past_it(make_release) -> None:
     assert (torch.cat(pieces) - late).abs().max().item() <= 1e-5
 
 
+def test_the_demo_canaries_miss_a_fault_from_token_2048_and_the_audit_catches_it(monkeypatch) -> None:
+    """The README's walk-through: CLEF_FAULT_ZERO_CONV_BAND=k@2048 on the demo model."""
+    from clefserve.cli import serving_decider
+    from clefserve.demo import DEMO_FOLDER
+
+    monkeypatch.setenv(FAULT_ENV, "k@2048")
+    config = EngineConfig(audit_fraction=1.0, kv_cache_mb=64)
+    decider = serving_decider(DEMO_FOLDER, config, "cpu")
+    assert longest_canary(decider) < 2048
+    backend = EngineBackend(decider, config, "clef-demo")
+    message = "Hi, I was charged twice for order A-104. I want a refund, today please. " * 120
+    body = {"model": "clef-demo", "state": {"channel": "email", "message": message},
+            "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
+    try:
+        assert backend.run_self_check() == []
+        answer = asyncio.run(backend.decide(body, "demo", connected))
+        stats = asyncio.run(_audited(backend, 1))
+    finally:
+        backend.engine.shutdown()
+    assert answer["usage"]["input_tokens"] > 2048
+    assert stats["mismatch"] == 1, stats
+
+
+def test_audit_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from clefserve import cli
+
+    args = cli.build_parser().parse_args(["serve", "--audit-fraction", "0.25", "--audit-fail-ready", "3",
+                                          "--audit-max-queue", "8", "--audit-queue-mb", "2"])
+    config = EngineConfig.from_args(args)
+    assert (config.audit_fraction, config.audit_fail_ready, config.audit_max_queue,
+            config.audit_queue_mb) == (0.25, 3, 8, 2)
+    assert EngineConfig().audit_fraction == 0.01 and EngineConfig().audit_fail_ready == 0
+    for bad in (["--audit-fraction", "1.5"], ["--audit-fraction", "nan"], ["--audit-fail-ready", "-1"],
+                ["--audit-max-queue", "0"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["serve", *bad])
+        assert "expected" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    assert "--audit-fraction" in capsys.readouterr().out
+
+
 # ---- the engine's idle hook ----
 
 class Pieces:

@@ -172,7 +172,7 @@ def audit_metrics(audit: dict[str, Any]) -> Iterator[Metric]:
         results.add_metric([result], audit[result])
     yield results
     histogram = audit["max_difference"]
-    buckets = [("+Inf" if bound == float("inf") else repr(bound), count)
+    buckets = [(bound if isinstance(bound, str) else repr(bound), count)
                for bound, count in histogram["buckets"]]
     yield HistogramMetricFamily("clef_audit_max_probability_difference",
                                 "Largest |serving - reference| option probability per audited request",

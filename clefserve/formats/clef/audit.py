@@ -22,6 +22,7 @@ fills and the oldest samples are dropped, counted as skipped.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -79,13 +80,15 @@ class DifferenceHistogram:
     def observe(self, value: float) -> None:
         index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
         self.counts[index] += 1
-        self.total += min(value, 1.0) if value == value else 1.0  # NaN/inf: +Inf bucket, summed as 1
+        self.total += value
 
     def snapshot(self) -> dict[str, Any]:
+        """``{"buckets": [[upper bound, cumulative count], ...], "sum", "count"}``; the last bound is the
+        string ``"+Inf"``, so that the stats stay plain JSON."""
         cumulative, buckets = 0, []
-        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+        for bound, count in zip([*self.bounds, "+Inf"], self.counts, strict=True):
             cumulative += count
-            buckets.append((bound, cumulative))
+            buckets.append([bound, cumulative])
         return {"buckets": buckets, "sum": self.total, "count": cumulative}
 
 
@@ -196,18 +199,20 @@ class Auditor:
         for question, served, ref in zip(job.record.questions, job.served, reference, strict=True):
             for option, p, q in zip(question.option_ids, served, ref, strict=True):
                 difference = abs(p - q)
-                if not difference <= self.tolerance:  # NaN included
+                if not difference <= self.tolerance:
                     wrong.append({"question": question.question_id, "option": option,
                                   "serving": p, "reference": q})
-                    difference = float("inf") if difference != difference else difference
+                    difference = difference if math.isfinite(difference) else 1.0  # NaN: as far off as can be
                 largest = max(largest, difference)
         with self._lock:
             self._current = None
             self._histogram.observe(largest)
             self._counts["mismatch" if wrong else "match"] += 1
             if wrong:
+                options = [{**o, "serving": _finite(o["serving"]), "reference": _finite(o["reference"])}
+                           for o in wrong[:LOGGED_OPTIONS]]
                 self._last_mismatch = {"request_id": job.request_id, "max_difference": largest,
-                                       "options": wrong[:LOGGED_OPTIONS], "at": time.time()}
+                                       "options": options, "at": time.time()}
             mismatches = self._counts["mismatch"]
         if wrong:
             first = wrong[0]
@@ -235,8 +240,8 @@ class Auditor:
         first = last["options"][0]
         return (f"live audit: {mismatches} requests answered differently from the reference path "
                 f"(--audit-fail-ready {self.fail_after}); last: request {last['request_id']} question "
-                f"{first['question']!r} option {first['option']!r}: serving path {first['serving']:.6f}, "
-                f"reference {first['reference']:.6f} (tolerance {self.tolerance:g})")
+                f"{first['question']!r} option {first['option']!r}: serving path {_show(first['serving'])}, "
+                f"reference {_show(first['reference'])} (tolerance {self.tolerance:g})")
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -255,6 +260,14 @@ class Auditor:
                 "max_difference": self._histogram.snapshot(),
                 "last_mismatch": self._last_mismatch,
             }
+
+
+def _show(p: float | str) -> str:
+    return f"{p:.6f}" if isinstance(p, float) else str(p)
+
+
+def _finite(p: float) -> float | str:
+    return p if math.isfinite(p) else repr(p)  # "nan" stays readable and valid JSON
 
 
 def disabled_stats() -> dict[str, Any]:
