@@ -194,11 +194,6 @@ class Engine:
             self._idle_work = work
             self._wake.notify()
 
-    def notify_idle_work(self) -> None:
-        """Wake the worker after giving the idle work something to do from another thread."""
-        with self._lock:
-            self._wake.notify()
-
     def recent_steps(self) -> list[tuple[tuple[int, int], ...]]:
         """The last steps' ``((seq_id, tokens), ...)``, oldest first (debugging, tests)."""
         with self._lock:
