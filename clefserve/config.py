@@ -49,6 +49,10 @@ class EngineConfig:
     max_questions: int = 64
     max_choice_labels: int = 255
     max_score_levels: int = 10
+    audit_fraction: float = 0.01
+    audit_fail_ready: int = 0
+    audit_max_queue: int = 64
+    audit_queue_mb: int = 64
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -265,3 +269,60 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="byte budget of the prefix cache, at most half of the memory the pools leave free "
         "(default: %(default)s)",
     )
+    audit = parser.add_argument_group(
+        "live audit",
+        "a random sample of answered requests is re-run through the plain torch reference path while the "
+        "engine is idle, and its unrounded probabilities compared with the served ones at the startup "
+        "self-check's tolerance (metrics clef_audit_total{result} and clef_audit_max_probability_difference)",
+    )
+    audit.add_argument(
+        "--audit-fraction",
+        type=_fraction,
+        default=d.audit_fraction,
+        metavar="F",
+        help="share of answered requests to audit, 0 to 1; 0 turns the audit off (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--audit-fail-ready",
+        type=_non_negative_int,
+        default=d.audit_fail_ready,
+        metavar="N",
+        help="after N audit mismatches /ready answers 503 with the reason and requests get 503, until a "
+        "restart; 0 only counts and logs them (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--audit-max-queue",
+        type=_positive_int,
+        default=d.audit_max_queue,
+        metavar="N",
+        help="sampled requests waiting for idle time; beyond it the oldest are dropped and counted as "
+        "skipped (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--audit-queue-mb",
+        type=_positive_int,
+        default=d.audit_queue_mb,
+        metavar="MB",
+        help="memory bound of that queue (the records' token ids) (default: %(default)s)",
+    )
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {text}")
+    return value

@@ -25,6 +25,10 @@ Names (all prefixed ``clef_``):
   ``clef_model_ready`` (1 once the model serves); ``clef_nonfinite_outputs_total``: records refused because
   the model computed NaN/Inf for them (hidden rows or head logits; also counted as
   ``clef_request_errors_total{error_type="non_finite_output"}``, a 500).
+- live audit (at scrape time, from ``stats()["audit"]``):
+  ``clef_audit_total{result="match|mismatch|skipped"}``, ``clef_audit_max_probability_difference``
+  (histogram of the largest option difference per audited request), ``clef_audit_queued`` (samples waiting
+  for idle time).
 - ``process_*``: the process collector (resident memory, CPU seconds, open fds).
 
 ``Metrics.recent`` (not exported: Prometheus computes rates itself) keeps the last minute of decision
@@ -47,7 +51,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clefserve.server.rolling import RollingWindow
@@ -169,6 +173,25 @@ class EngineCollector:
         for outcome in ("finished", "cancelled", "failed", "rejected"):
             outcomes.add_metric([outcome], s[outcome])
         yield outcomes
+        if "audit" in s:
+            yield from audit_metrics(s["audit"])
+
+
+def audit_metrics(audit: dict[str, Any]) -> Iterator[Metric]:
+    """The live audit's counters and histogram (clefserve.formats.clef.audit), also when it is off."""
+    results = CounterMetricFamily("clef_audit", "Answered requests sampled by the live audit, by result "
+                                  "against the reference path", labels=["result"])
+    for result in ("match", "mismatch", "skipped"):
+        results.add_metric([result], audit[result])
+    yield results
+    histogram = audit["max_difference"]
+    buckets = [(bound if isinstance(bound, str) else repr(bound), count)
+               for bound, count in histogram["buckets"]]
+    yield HistogramMetricFamily("clef_audit_max_probability_difference",
+                                "Largest |serving - reference| option probability per audited request",
+                                buckets=buckets, sum_value=histogram["sum"])
+    yield GaugeMetricFamily("clef_audit_queued", "Sampled requests waiting for idle engine time",
+                            value=audit["queued"])
 
 
 class MetricsMiddleware:

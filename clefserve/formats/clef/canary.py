@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,21 +159,28 @@ def compare(canaries: Sequence[Canary], serving: list[dict[str, Any]], reference
     return problems
 
 
+@contextmanager
+def using_reference_ops(backbone: Any) -> Iterator[None]:
+    """The torch reference ops inside the block, the serving ops put back afterwards. Only for the thread
+    that runs the backbone (the engine's worker, or any thread while the engine is idle)."""
+    serving_ops = backbone.ops
+    backbone.set_ops(reference_ops())
+    try:
+        yield
+    finally:
+        backbone.set_ops(serving_ops)
+
+
 def reference_answers(decider: Any, canaries: Sequence[Canary]) -> list[dict[str, Any]]:
     """One record at a time in one piece, torch reference ops, progress logged; the serving ops are put
     back afterwards."""
-    backbone = decider.backbone
-    serving_ops = backbone.ops
-    backbone.set_ops(reference_ops())
     answers = []
-    try:
+    with using_reference_ops(decider.backbone):
         for i, canary in enumerate(canaries):
             started = time.perf_counter()
             answers += decider.decide_batch([canary.request], raw=True)
             log.info("self-check %s, reference path: %d tokens in %.1f s", label(i, canaries), canary.tokens,
                      time.perf_counter() - started)
-    finally:
-        backbone.set_ops(serving_ops)
     return answers
 
 

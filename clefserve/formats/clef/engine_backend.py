@@ -3,6 +3,8 @@
 Each request is encoded, submitted to the :class:`~clefserve.engine.Engine` with ``(body, record)`` as
 payload, and awaited. When records finish in one engine step the head runs once over all of them on the
 engine's thread. A client that disconnects has its sequence cancelled, which frees its blocks and slot.
+A sample of the answered requests (``--audit-fraction``) is re-run through the reference path in the
+engine's idle time (:mod:`clefserve.formats.clef.audit`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
 from clefserve.errors import NonFiniteError, RequestError, all_finite
+from clefserve.formats.clef.answers import probabilities
+from clefserve.formats.clef.audit import Auditor, disabled_stats
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import QUESTION_TYPES, EncodedRecord
 
@@ -66,6 +70,7 @@ class EngineBackend:
         self._check_result = "not run"
         self._check_finished_at: dt.datetime | None = None
         self._check_problem: str | None = None
+        self.audit: Auditor | None = None
         if decider is not None:
             self._attach(decider)
 
@@ -77,6 +82,11 @@ class EngineBackend:
     def _attach(self, decider: ClefDecider) -> None:
         self.engine = Engine(decider.backbone, self.config, self._finish, self._budget)
         self.decider = decider
+        c = self.config
+        if c.audit_fraction > 0:
+            self.audit = Auditor(decider, c.audit_fraction, c.prefill_chunk_size, c.audit_max_queue,
+                                 c.audit_queue_mb << 20, c.audit_fail_ready)
+            self.engine.set_idle_work(self.audit)
         if self._check_failure is None:
             self._reason = "ready"
 
@@ -86,9 +96,19 @@ class EngineBackend:
         self._metrics = metrics
 
     def stats(self) -> dict[str, Any] | None:
-        """The engine's counters and pool gauges; None until the model is loaded."""
+        """The engine's counters and pool gauges, and the live audit's under ``audit``; None until the
+        model is loaded."""
         engine = self.engine
-        return {**engine.stats(), "nonfinite_outputs": self._nonfinite} if engine is not None else None
+        if engine is None:
+            return None
+        audit = self.audit.stats() if self.audit is not None else disabled_stats()
+        return {**engine.stats(), "nonfinite_outputs": self._nonfinite, "audit": audit}
+
+    def _failure(self) -> str | None:
+        """Why answers must not be served: a failed startup self-check, or too many audit mismatches."""
+        if self._check_failure is not None:
+            return self._reason
+        return self.audit.failure() if self.audit is not None else None
 
     def status(self) -> dict[str, Any]:
         """For ``GET /v1/status``: the serving phase, the ops and the self-check. Never the load error's text
@@ -104,6 +124,8 @@ class EngineBackend:
             phase = "self_check_failed"
         elif self._check_failure is not None:
             phase = "self_check_running"
+        elif self.audit is not None and self.audit.failure() is not None:
+            phase = "audit_failed"
         else:
             phase = "ready"
         finished = self._check_finished_at
@@ -126,8 +148,9 @@ class EngineBackend:
         return tuple(QUESTION_TYPES)
 
     def ready(self) -> tuple[bool, str]:
-        ok = self.engine is not None and not self.engine.closed and self._check_failure is None
-        return ok, self._reason
+        failure = self._failure()
+        ok = self.engine is not None and not self.engine.closed and failure is None
+        return ok, failure or self._reason
 
     async def start(self) -> None:
         if self._load is not None and self.engine is None:
@@ -231,11 +254,14 @@ class EngineBackend:
         return problems
 
     @staticmethod
-    def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool) -> Any:
+    def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool,
+                request_id: str | None = None) -> Any:
+        """``request_id``: a client's request (None for the canaries), which the audit may sample."""
         # prefix-cache resume points: after the fixed prefix, after the state (the same state asked
         # other questions), and the whole record (an identical request)
         points = (record.prefix_end, record.state_end, len(record.input_ids))
-        return engine.submit(record.input_ids, payload=(body, record, raw), snapshot_points=points)
+        return engine.submit(record.input_ids, payload=(body, record, raw, request_id),
+                             snapshot_points=points)
 
     def submit(self, body: dict[str, Any]) -> Future:
         """Encode a validated body and queue it without waiting (``clef-serve batch``, ``clefserve.ray``):
@@ -262,8 +288,9 @@ class EngineBackend:
         self, body: dict[str, Any], request_id: str, is_disconnected: Callable[[], Awaitable[bool]],
     ) -> dict[str, Any]:
         engine, decider = self.engine, self.decider
-        if engine is None or decider is None or engine.closed or self._check_failure is not None:
-            raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
+        failure = self._failure()
+        if engine is None or decider is None or engine.closed or failure is not None:
+            raise RequestError(f"the model is not ready: {failure or self._reason}", 503, "unavailable")
         try:
             record = await asyncio.to_thread(decider.encode, body)
         except RequestError as exc:
@@ -273,7 +300,7 @@ class EngineBackend:
             message = f"{exc.message} (this server's --max-length)"
             raise RequestError(message, exc.status, exc.error_type) from None
         try:
-            future = self._submit(engine, body, record, self.config.raw_probabilities)
+            future = self._submit(engine, body, record, self.config.raw_probabilities, request_id)
         except EngineClosedError as exc:
             raise RequestError("the server is shutting down", status=503, error_type="unavailable") from exc
         waiting = asyncio.wrap_future(future)  # cancelling it (task cancelled) cancels the sequence too
@@ -317,17 +344,29 @@ class EngineBackend:
             if isinstance(record_logits, Exception):
                 results.append(record_logits)
                 continue
-            body, record, raw = f.payload
+            body, record, raw, request_id = f.payload
             try:
                 results.append(decider.answer(body, record, record_logits, raw, f.cached_tokens))
             except Exception as exc:
                 results.append(exc)
+                continue
+            if request_id is not None:
+                self._maybe_audit(request_id, record, record_logits)
         if self._metrics is not None:
             answered = time.perf_counter()
             for f, result in zip(finished, results, strict=True):
                 if not isinstance(result, BaseException):
                     self._metrics.observe_decision(f.admitted_at - f.submitted_at, answered - f.admitted_at)
         return results
+
+    def _maybe_audit(self, request_id: str, record: EncodedRecord, logits: Any) -> None:
+        audit = self.audit
+        if audit is None or self._check_failure is not None or not audit.sample():
+            return
+        try:  # the same float32 softmax the answer was rounded from
+            audit.offer(request_id, record, probabilities(logits))
+        except Exception:  # the audit must never cost a client its answer
+            log.exception("could not queue request %s for the live audit", request_id)
 
     @staticmethod
     def _one_record(decider: ClefDecider, hidden: torch.Tensor, record: EncodedRecord) -> Any:
