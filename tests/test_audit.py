@@ -28,7 +28,7 @@ from clefserve.engine import Engine
 from clefserve.errors import RequestError
 from clefserve.formats.clef import ClefDecider
 from clefserve.formats.clef.audit import AuditJob, Auditor
-from clefserve.formats.clef.canary import canary_requests
+from clefserve.formats.clef.canary import build_canaries
 from clefserve.formats.clef.engine_backend import EngineBackend
 from clefserve.model.ops import reference_ops
 from clefserve.model.ops.faults import (
@@ -54,8 +54,10 @@ async def connected() -> bool:
     return False
 
 
-def longest_canary(decider: ClefDecider) -> int:
-    return max(len(decider.encode(body).input_ids) for body in canary_requests())
+def longest_canary(decider: ClefDecider, chunk_tokens: int = 1024) -> int:
+    """The longest startup canary for an engine with ``--prefill-chunk-size chunk_tokens``."""
+    canaries, _ = build_canaries(decider.encode, chunk_tokens, decider.encoder.max_length)
+    return max(canary.tokens for canary in canaries)
 
 
 def long_request(decider: ClefDecider, tokens: int, tag: int) -> dict[str, Any]:
@@ -257,7 +259,7 @@ async def _audited(backend: EngineBackend, count: int, timeout_s: float = 120) -
 
 def test_audit_catches_a_late_fault_the_self_check_misses(make_release, json_log: io.StringIO) -> None:
     decider = ClefDecider(make_release(seed=SEED))
-    late = longest_canary(decider)
+    late = longest_canary(decider, chunk_tokens=512)  # _backend's --prefill-chunk-size
     decider.backbone.set_ops(zeroed_band_ops(decider.backbone.config, "k", from_position=late))
     backend = _backend(decider, audit_fail_ready=3)
     metrics = Metrics(backend.stats)

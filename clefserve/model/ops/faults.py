@@ -95,15 +95,20 @@ def late_zeroed_band_ops(band: str, from_position: int, base: Ops) -> Ops:
 
     def gated_delta_rule(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor | None, past: int = 0,
+        initial: torch.Tensor, seq_lens: tuple[int, ...], past_lens: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        first = max(0, from_position - past)  # first row of this call at or past the position
-        if first < q.shape[0]:
+        late = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+        start = 0
+        for n, past in zip(seq_lens, past_lens, strict=True):
+            first = max(0, from_position - past)  # first row of this sequence at or past the position
+            if first < n:
+                late[start + first : start + n] = True
+            start += n
+        if bool(late.any()):
             qkv = [q, k, v]
-            qkv[index] = qkv[index].clone()
-            qkv[index][first:] = 0
+            qkv[index] = qkv[index].masked_fill(late[:, None, None], 0)
             q, k, v = qkv
-        return rule(q, k, v, g, beta, state, past)
+        return rule(q, k, v, g, beta, initial, seq_lens, past_lens)
 
     name = f"{base.name}+zeroed-{band}-band@{from_position}"
     return replace(base, name=name, gated_delta_rule=gated_delta_rule)
