@@ -161,7 +161,7 @@ def run_client(url: str, requests: list[dict], concurrency: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.shapes import SHAPES, build_shape
-    from benchmarks.systemone import make_request
+    from benchmarks.workload import make_request
     from clefserve.formats.clef import ClefDecider
     from clefserve.formats.clef.engine_backend import EngineBackend
 

@@ -6,7 +6,8 @@ Phases:
 
 1. soak: warm-up, then ``--requests`` requests at ``--concurrency``: valid bodies (short and long states,
    some gzip-compressed), ``--malformed`` share of malformed ones (bad JSON, schema violations, bad
-   encodings, oversize bodies) and ``--disconnects`` share whose client hangs up early. Checks: every valid
+   encodings, oversize bodies) and ``--disconnects`` share whose client hangs up early, spread over every
+   route that takes the System One body (``/v1/systemone``, OpenRouter's, Workers AI's). Checks: every valid
    request 200 (no 5xx), every malformed one a 4xx, no timeouts; resident memory (VmRSS) after the soak
    within 10% of after the warm-up; the engine idle at the end (``/metrics``: running 0, waiting 0, KV
    blocks used 0, GDN slots used 0).
@@ -40,6 +41,10 @@ from clefserve.testing.server_process import ServerProcess
 from clefserve.testing.tokenizer import WORDS
 
 ROUTE = "/v1/systemone"
+# Every route that takes the System One body; calls are spread over them (the adapters share one handler,
+# so the same checks hold: valid bodies 200, malformed ones 4xx).
+ROUTES = (ROUTE, "/api/alpha/decisions", "/client/v4/accounts/0123abcd/ai/run/@cf%2Fcloudflare%2Fclef-flash",
+          "/ai/run/@cf/cloudflare/clef")
 MIB = 1 << 20
 RSS_GROWTH_LIMIT = 0.10
 UNICODE = ("é", "ß", "Ω", "中文", "🙂", "naïve", "עברית")
@@ -58,6 +63,7 @@ class Call:
     content: bytes
     headers: dict[str, str] = field(default_factory=dict)
     abort_after_s: float | None = None
+    path: str = ROUTE
 
 
 @dataclass
@@ -157,19 +163,22 @@ def build_calls(count: int, malformed: float, disconnects: float, seed: int) -> 
     for kind in kinds:
         if kind == "bad":
             name, content, headers = catalogue[next(bad) % len(catalogue)]
-            calls.append(Call("bad", name, content, {"content-type": "application/json", **headers}))
+            # a bad "model" is no fault on Workers AI's routes, which take the model from the path
+            routes = ROUTES[:2] if name == "model-number" else ROUTES
+            calls.append(Call("bad", name, content, {"content-type": "application/json", **headers},
+                              path=rng.choice(routes)))
         elif kind == "disconnect":
             # a long record, so that the client leaves while the engine holds it or queues it
             body = _json(good_body(rng, long=True))
             calls.append(Call("disconnect", "disconnect", body, {"content-type": "application/json"},
-                              abort_after_s=rng.uniform(0.005, 0.2)))
+                              abort_after_s=rng.uniform(0.005, 0.2), path=rng.choice(ROUTES)))
         else:
             long = rng.random() < 0.1
             content = _json(good_body(rng, long=long))
             headers = {"content-type": "application/json"}
             if rng.random() < 0.1:
                 content, headers["content-encoding"] = gzip.compress(content), "gzip"
-            calls.append(Call("good", "long" if long else "short", content, headers))
+            calls.append(Call("good", "long" if long else "short", content, headers, path=rng.choice(ROUTES)))
     return calls
 
 
@@ -177,7 +186,7 @@ def build_calls(count: int, malformed: float, disconnects: float, seed: int) -> 
 
 async def _send(client: httpx.AsyncClient, call: Call) -> Outcome:
     started = time.perf_counter()
-    request = client.post(ROUTE, content=call.content, headers=call.headers)
+    request = client.post(call.path, content=call.content, headers=call.headers)
     try:
         if call.abort_after_s is not None:
             response = await asyncio.wait_for(request, call.abort_after_s)

@@ -33,42 +33,12 @@ import torch
 
 from benchmarks.flops import matmul_peak, prefill_flops
 from benchmarks.shapes import SHAPES, build_shape
+from benchmarks.workload import make_request
 from clefserve.config import DTYPES
 from clefserve.formats.clef.encoder import ClefEncoder
 from clefserve.model.ops.select import select_ops
 from clefserve.model.weights import load_backbone
 from clefserve.testing.server_process import ServerProcess
-from clefserve.testing.tokenizer import WORDS
-
-
-def make_request(encoder: ClefEncoder, tokens: int, rng: random.Random) -> dict:
-    questions = {
-        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-        "team": {"type": "choice", "instructions": "Which team should handle it?",
-                 "criteria": {"billing": "Payments and refunds", "technical": "Bugs and outages",
-                              "sales": "Plans and prices", "account": None}},
-        "urgency": {"type": "score", "instructions": "How urgent is it?",
-                    "criteria": ["Can wait", "This week", "Today", "Right now"]},
-    }
-    request: dict = {"model": "bench", "state": "", "questions": questions}
-    ticket = rng.randint(1, 99999)
-
-    def length(words: list[str]) -> int:
-        request["state"] = {"ticket": ticket, "message": " ".join(words)}
-        return len(encoder.encode(request).input_ids)
-
-    words = rng.choices(WORDS, k=64)
-    while length(words) < tokens:
-        words += rng.choices(WORDS, k=len(words))
-    low, high = 0, len(words)  # the fewest words that reach ``tokens``
-    while low < high:
-        middle = (low + high) // 2
-        if length(words[:middle]) >= tokens:
-            high = middle
-        else:
-            low = middle + 1
-    length(words[:low])
-    return request
 
 
 def percentile(values: list[float], q: float) -> float:

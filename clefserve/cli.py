@@ -1,6 +1,7 @@
 """The ``clef-serve`` command.
 
-``serve`` is the default subcommand, so candle-vllm style arguments work as they are:
+``serve`` is the default subcommand (the others: ``verify``, ``batch``), so candle-vllm style arguments
+work as they are:
 ``clef-serve --w /models/clef-flash --d 0 --dtype bf16 --p 8080``.
 """
 
@@ -22,8 +23,9 @@ log = logging.getLogger("clefserve")
 
 DESCRIPTION = """\
 clef-serve: an inference server for System One decision models (Cloudflare Clef / Clef-flash release
-format). It answers POST /v1/systemone like the published reference code, and also serves
-GET /v1/models, GET /health (liveness) and GET /ready (readiness)."""
+format). It answers POST /v1/systemone like the published reference code (also under OpenRouter's
+/api/alpha/decisions and Workers AI's /client/v4/accounts/ID/ai/run/@cf/cloudflare/clef), and also serves
+GET /v1/models, GET /v1/status, GET /health (liveness), GET /ready (readiness) and a browser console at /."""
 
 SERVE_EXAMPLES = """\
 examples:
@@ -43,7 +45,8 @@ EXAMPLES = SERVE_EXAMPLES + "\n\nCOMMAND defaults to serve; run 'clef-serve serv
 SERVE_DESCRIPTION = """\
 Load a Clef release folder (without --w: the embedded demo model) and serve the System One API over
 HTTP. /health answers at once; /ready answers 503 until the model is loaded and its startup self-check
-has passed, then 200."""
+has passed, then 200. Open http://HOST:PORT/ in a browser for the console (ask a decision, see the
+probabilities, watch the engine); --no-console turns it off."""
 
 
 def configure_logging(level: str) -> None:
@@ -106,8 +109,9 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     from clefserve.vision.inputs import ImageLimits
 
     limits = ImageLimits(config.max_images, config.max_image_pixels, config.max_image_bytes)
-    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels, limits,
-                          config.image_cache_mb << 20)
+    decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels,
+                          confidence=config.confidence, question_ids=config.question_ids, image_limits=limits,
+                          image_cache_bytes=config.image_cache_mb << 20)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
     log.info(describe(decider.backbone.ops, decider.backbone.device, config.torch_dtype))
     if decider.images is not None:
@@ -136,7 +140,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     finally:
         assert backend.engine is not None
         backend.engine.shutdown()
-    problems += transformers_check(folder, decider)
+    problems += transformers_check(folder, decider, config)
     for problem in problems:
         print(f"MISMATCH {problem}")
     verdict = "FAILED" if problems else "passed"
@@ -144,7 +148,7 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 1 if problems else 0
 
 
-def transformers_check(folder: Path, decider: Any) -> list[str]:
+def transformers_check(folder: Path, decider: Any, config: EngineConfig) -> list[str]:
     """Final hidden rows of the canary records against transformers' Qwen3.5, when it is installed."""
     try:
         import transformers
@@ -153,7 +157,7 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
         return []
     import torch
 
-    from clefserve.formats.clef.canary import canary_requests
+    from clefserve.formats.clef.canary import build_canaries
 
     transformers.logging.set_verbosity_error()
     arch = decider.backbone.config.architecture
@@ -162,8 +166,10 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
     tolerance = 1e-3 if decider.backbone.dtype == torch.float32 else 1e-1
     problems = []
     with torch.inference_mode():
-        for i, request in enumerate(canary_requests(images=decider.takes_images)):
-            record = decider.encode(request)
+        canaries, _ = build_canaries(decider.encode, config.prefill_chunk_size, config.max_length,
+                                     images=decider.takes_images)
+        for i, canary in enumerate(canaries):
+            record = canary.record
             ids = torch.tensor(record.input_ids)
             ours, _ = decider.backbone.run_sequence(ids, inputs=decider.inputs(record, fresh=True))
             if record.images:  # the vision tower too: transformers' model with the pixels
@@ -173,7 +179,8 @@ def transformers_check(folder: Path, decider: Any) -> list[str]:
                 ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
             diff = (ours.float() - ref.float()).abs().max().item()
             if not diff <= tolerance * max(1.0, ref.float().abs().max().item()):
-                problems.append(f"canary {i}: hidden rows differ from transformers by {diff:.3g}")
+                problems.append(f"canary {i + 1} ({canary.name}): hidden rows differ from transformers by "
+                                f"{diff:.3g}")
     return problems
 
 
@@ -219,6 +226,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     app = create_app(backend, config)
     log.info("clef-serve %s serving %s on http://%s:%d (auth %s)", __version__, name, config.host,
              config.port, "on" if config.api_key else "off")
+    if config.console:
+        log.info("console: open %s in a browser", console_address(config.host, config.port))
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         # On SIGTERM uvicorn closes the listening socket, lets in-flight requests finish for up to
@@ -235,9 +244,18 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def console_address(host: str, port: int) -> str:
+    """The console's address for the log: a wildcard bind address is reachable as localhost."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/"
+
+
 Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 # Subcommand names; the first argument is taken as one of these, else "serve" is assumed.
-COMMANDS = ("serve", "verify")
+COMMANDS = ("serve", "verify", "batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(verify)
     verify.set_defaults(run=run_verify, command_parser=verify)
+    from clefserve.batch.command import add_batch_command
+
+    add_batch_command(commands)
     return parser
 
 

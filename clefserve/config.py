@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+from clefserve.confidence import CONFIDENCE_MODES
+from clefserve.formats.clef.encoder import QUESTION_ID_MODES
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -43,6 +47,16 @@ class EngineConfig:
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
     kernels: str = "auto"
+    console: bool = True
+    confidence: str = "clef"
+    question_ids: str = "prompt"
+    max_questions: int = 64
+    max_choice_labels: int = 255
+    max_score_levels: int = 10
+    audit_fraction: float = 0.01
+    audit_fail_ready: int = 0
+    audit_max_queue: int = 64
+    audit_queue_mb: int = 64
 
     @property
     def image_body_bytes(self) -> int:
@@ -69,6 +83,17 @@ class EngineConfig:
         if values.get("api_key") is None:
             values["api_key"] = os.environ.get("CLEF_API_KEY") or None
         return cls(**values)
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its error message
+    return parse
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +156,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413, not counting the base64 images of a request (see --max-images) "
         "(default: %(default)s)",
     )
+    server.add_argument(
+        "--max-questions",
+        type=_at_least(1),
+        default=d.max_questions,
+        metavar="N",
+        help="most questions in one request; more is a 422 naming this flag (default: %(default)s, hosted "
+        "Clef's limit; TypeSafe states none)",
+    )
+    server.add_argument(
+        "--max-choice-labels",
+        type=_at_least(2),
+        default=d.max_choice_labels,
+        metavar="N",
+        help="most labels of one choice question (default: %(default)s, TypeSafe's limit)",
+    )
+    server.add_argument(
+        "--max-score-levels",
+        type=_at_least(2),
+        default=d.max_score_levels,
+        metavar="N",
+        help="most levels of one score question (default: %(default)s, TypeSafe's limit)",
+    )
     images = parser.add_argument_group(
         "images", "requests with images (releases with a vision tower); a body may hold --max-images "
         "base64 images of --max-image-bytes each on top of --max-body-bytes")
@@ -157,6 +204,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="on SIGTERM: stop accepting, let in-flight requests finish for up to S seconds, then stop the "
         "engine and exit 0 (keep Kubernetes' terminationGracePeriodSeconds above it) (default: %(default)s)",
+    )
+    server.add_argument("--no-console", dest="console", action="store_false",
+                        help="do not serve the browser console at / (GET /v1/status stays)")
+    semantics = parser.add_argument_group("semantics (README \"Semantics\": where Clef and TypeSafe differ)")
+    semantics.add_argument(
+        "--confidence",
+        choices=CONFIDENCE_MODES,
+        default=d.confidence,
+        help="confidence of choice and score answers: 'clef' = the top probability, as Cloudflare's "
+        "reference; 'typesafe' = TypeSafe's documented formulas ((m - 1/n)/(1 - 1/n) for a choice, "
+        "1 - spread around the mode / a uniform answer's spread for a score) (default: %(default)s)",
+    )
+    semantics.add_argument(
+        "--question-ids",
+        choices=QUESTION_ID_MODES,
+        default=d.question_ids,
+        help="'prompt' = write each question id into the model's record, as Cloudflare's encoding (renaming "
+        "a question can change its answer); 'opaque' = write positional names q1, q2, ... instead, so "
+        "ids never reach the model (not what the model was trained on: accuracy may differ) "
+        "(default: %(default)s)",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
@@ -229,3 +296,60 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="byte budget of the prefix cache, at most half of the memory the pools leave free "
         "(default: %(default)s)",
     )
+    audit = parser.add_argument_group(
+        "live audit",
+        "a random sample of answered requests is re-run through the plain torch reference path while the "
+        "engine is idle, and its unrounded probabilities compared with the served ones at the startup "
+        "self-check's tolerance (metrics clef_audit_total{result} and clef_audit_max_probability_difference)",
+    )
+    audit.add_argument(
+        "--audit-fraction",
+        type=_fraction,
+        default=d.audit_fraction,
+        metavar="F",
+        help="share of answered requests to audit, 0 to 1; 0 turns the audit off (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--audit-fail-ready",
+        type=_non_negative_int,
+        default=d.audit_fail_ready,
+        metavar="N",
+        help="after N audit mismatches /ready answers 503 with the reason and requests get 503, until a "
+        "restart; 0 only counts and logs them (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--audit-max-queue",
+        type=_positive_int,
+        default=d.audit_max_queue,
+        metavar="N",
+        help="sampled requests waiting for idle time; beyond it the oldest are dropped and counted as "
+        "skipped (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--audit-queue-mb",
+        type=_positive_int,
+        default=d.audit_queue_mb,
+        metavar="MB",
+        help="memory bound of that queue (the records' token ids) (default: %(default)s)",
+    )
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {text}")
+    return value

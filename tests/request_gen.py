@@ -178,3 +178,27 @@ class RequestGenerator:
 
     def requests(self, count: int, **kwargs: Any) -> list[dict[str, Any]]:
         return [self.request(**kwargs) for _ in range(count)]
+
+
+def api_valid(request: dict[str, Any]) -> dict[str, Any]:
+    """A generated request made acceptable to the HTTP API, in place: the generator also writes what only
+    the reference takes (number or boolean descriptions, null or blank score levels, one-label choices,
+    unknown noul criteria keys). Returns the request."""
+
+    def description(value: Any) -> Any:
+        return value if value is None or isinstance(value, str | dict | list) else str(value)
+
+    for question in request["questions"].values():
+        if "instructions" in question:
+            question["instructions"] = description(question["instructions"])
+        criteria = question.get("criteria")
+        if question["type"] == "noul" and isinstance(criteria, dict):
+            question["criteria"] = {k: description(v) for k, v in criteria.items() if k in ("true", "false")}
+        elif question["type"] == "choice":
+            question["criteria"] = {k: description(v) for k, v in criteria.items()}
+            if len(criteria) < 2:
+                question["criteria"]["zz other"] = None
+        elif question["type"] == "score":
+            question["criteria"] = [v if isinstance(v, str) and v.strip() else f"level {i}: {v}"
+                                    for i, v in enumerate(criteria)]
+    return request

@@ -11,6 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from clefserve import cli
+from clefserve.config import EngineConfig
 from clefserve.vision.inputs import ImageLimits
 
 
@@ -61,9 +62,9 @@ def recording_decider(release: Path) -> type:
     class RecordingDecider(ClefDecider):
         made: ClassVar[list[tuple[Any, ...]]] = []
 
-        def __init__(self, *args: Any) -> None:
+        def __init__(self, *args: Any, **semantics: Any) -> None:
             RecordingDecider.made.append(args)
-            super().__init__(release, torch.float32, "cpu", args[3])
+            super().__init__(release, torch.float32, "cpu", args[3], **semantics)
 
     return RecordingDecider
 
@@ -84,11 +85,13 @@ def serve_in_process(monkeypatch: pytest.MonkeyPatch, make_release) -> tuple[dic
     return ran, decider
 
 
-def wait_ready(client: TestClient) -> None:
-    for _ in range(100):
+def wait_ready(client: TestClient, timeout_s: float = 120.0) -> None:
+    """Loading and the startup self-check run in the background: seconds alone, longer on a busy machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if client.get("/ready").status_code == 200:
             return
-        time.sleep(0.02)
+        time.sleep(0.05)
     assert client.get("/ready").status_code == 200
 
 
@@ -122,3 +125,30 @@ def test_serve_without_weights_loads_the_embedded_demo(serve_in_process) -> None
         wait_ready(client)
         assert decider.made[-1][0] == DEMO_FOLDER
         assert client.get("/v1/models").json()["models"][0]["name"] == "clef-demo"
+
+
+def test_semantics_flags_reach_the_decider_and_the_model_cards(serve_in_process) -> None:
+    ran, _ = serve_in_process
+    assert cli.main(["--p", "9125", "--confidence", "typesafe", "--question-ids", "opaque"]) == 0
+    with TestClient(ran["app"]) as client:
+        wait_ready(client)
+        [card] = client.get("/v1/models").json()["models"]
+        assert (card["x_confidence"], card["x_question_ids"]) == ("typesafe", "opaque")
+        question = {"type": "choice", "criteria": {"a": None, "b": None}}
+        answers = [client.post("/v1/systemone", json={"model": "m", "state": "s",
+                                                      "questions": {key: question}}).json()["answers"][key]
+                   for key in ("team", "a renamed.key")]
+        assert answers[0] == answers[1]  # opaque: the key never reaches the model
+        p = max(answers[0]["probabilities"].values())
+        # typesafe: (m - 1/2) / (1 - 1/2)
+        assert answers[0]["confidence"] == pytest.approx(2 * p - 1, abs=2e-4)
+
+
+def test_semantics_flags_are_checked() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--confidence", "typesafe", "--question-ids", "opaque"])
+    config = EngineConfig.from_args(args)
+    assert (config.confidence, config.question_ids) == ("typesafe", "opaque")
+    assert EngineConfig.from_args(parser.parse_args(["serve"])).confidence == "clef"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--confidence", "entropy"])

@@ -96,9 +96,11 @@ def test_records_that_can_never_fit_are_refused_at_once(model):
             engine.submit(torch.zeros(73, dtype=torch.long))
         assert (too_long.value.status, too_long.value.error_type) == (413, "tokens_exceeded")
         assert "72" in too_long.value.message
+        assert "--kv-cache-mb or --kv-fraction" in too_long.value.message  # the flags that raise it
         with pytest.raises(RequestError) as over_max:
             engine.submit(torch.zeros(61, dtype=torch.long))
         assert over_max.value.status == 413 and "60" in over_max.value.message
+        assert "--max-length" in over_max.value.message
         assert time.monotonic() - started < 1.0
         assert engine.submit(torch.zeros(60, dtype=torch.long)).result(timeout=30) == 60
         assert engine.stats()["rejected"] == 2
@@ -123,6 +125,7 @@ def test_full_queue_is_429_with_retry_after(model):
             engine.submit([6], payload=3)
         assert isinstance(full.value, RequestError)
         assert (full.value.status, full.value.error_type) == (429, "overloaded")
+        assert "--max-queue 2" in full.value.message  # the flag that raises it
         assert isinstance(full.value.retry_after, int) and 1 <= full.value.retry_after <= 60
         finish.release()
         assert [f.result(timeout=30) for f in (first, *queued)] == [0, 1, 2]

@@ -5,7 +5,9 @@ with a real tiny model in-process. (schemathesis is not a dependency: the strate
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -70,7 +72,8 @@ class SchemaStrategies:
             low, high = self._bounds(schema, "minItems", "maxItems")
             return st.lists(self.of(schema.get("items", {})), min_size=low, max_size=high)
         if kind == "string":
-            return st.text(min_size=schema.get("minLength", 0), max_size=20)
+            text = st.text(min_size=schema.get("minLength", 0), max_size=20)
+            return text.filter(re.compile(schema["pattern"]).search) if "pattern" in schema else text
         if kind == "integer":
             return st.integers(-(2**40), 2**40)
         if kind == "number":
@@ -113,10 +116,39 @@ def request_schema(app) -> dict[str, Any]:
     return {"$ref": "#/components/schemas/SystemOneRequest"}
 
 
-def send(client: TestClient, body: Any, headers: dict[str, Any] | None = None):
+# Every route that takes the System One body: the contract's, OpenRouter's, Workers AI's (in its envelope).
+ROUTES = ["/v1/systemone", "/api/alpha/decisions", "/api/v1/systemone",
+          "/client/v4/accounts/acc/ai/run/@cf%2Fcloudflare%2Fclef-flash", "/ai/run/@cf/cloudflare/clef"]
+ENVELOPED = ("/client/", "/ai/")
+
+
+@dataclass
+class Reply:
+    """A response as the checks read it: on a Workers AI route, the envelope's result or errors."""
+
+    status_code: int
+    body: Any
+    headers: Any
+
+    @property
+    def text(self) -> str:
+        return json.dumps(self.body)
+
+    def json(self) -> Any:
+        return self.body
+
+
+def send(client: TestClient, body: Any, headers: dict[str, Any] | None = None,
+         path: str = ROUTES[0]) -> Reply:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return client.post("/v1/systemone", content=content,
-                       headers={"content-type": "application/json", **(headers or {})})
+    response = client.post(path, content=content,
+                           headers={"content-type": "application/json", **(headers or {})})
+    out = response.json()
+    if path.startswith(ENVELOPED):
+        assert set(out) == {"success", "result", "errors", "messages"}, out
+        assert out["success"] is (response.status_code == 200)
+        out = out["result"] if out["success"] else {"detail": out["errors"]}
+    return Reply(response.status_code, out, response.headers)
 
 
 def has_empty_name(body: dict[str, Any]) -> bool:
@@ -128,7 +160,7 @@ def has_empty_name(body: dict[str, Any]) -> bool:
 
 def assert_answers(body: dict[str, Any], response) -> None:
     out = response.json()
-    assert out["model"] == body["model"]
+    assert out["model"] == body["model"] or out["model"].startswith("@cf/cloudflare/")
     assert list(out["answers"]) == list(body["questions"])
     for qid, answer in out["answers"].items():
         assert answer["type"] == body["questions"][qid]["type"]
@@ -177,11 +209,11 @@ def test_schema_valid_bodies_are_answered(fake: TestClient, strategies) -> None:
     strict, _ = strategies
 
     @settings(max_examples=150, **SETTINGS)
-    @given(body=strict.of(request_schema(fake.app)))
-    def check(body: dict[str, Any]) -> None:
-        response = send(fake, body)
+    @given(body=strict.of(request_schema(fake.app)), path=st.sampled_from(ROUTES))
+    def check(body: dict[str, Any], path: str) -> None:
+        response = send(fake, body, path=path)
         if has_empty_name(body):
-            assert response.status_code == 422, response.text
+            assert response.status_code == (400 if path.startswith(ENVELOPED) else 422), response.text
             assert "non-empty" in response.text
         else:
             assert response.status_code == 200, response.text
@@ -194,9 +226,9 @@ def test_corrupted_bodies_never_get_a_5xx(fake: TestClient, strategies) -> None:
     _, wild = strategies
 
     @settings(max_examples=300, **SETTINGS)
-    @given(body=wild.of(request_schema(fake.app)))
-    def check(body: Any) -> None:
-        response = send(fake, body)
+    @given(body=wild.of(request_schema(fake.app)), path=st.sampled_from(ROUTES))
+    def check(body: Any, path: str) -> None:
+        response = send(fake, body, path=path)
         assert response.status_code == 200 or response.status_code in CLIENT_ERRORS, response.text
         assert "detail" in response.json() or response.status_code == 200
 
@@ -205,9 +237,9 @@ def test_corrupted_bodies_never_get_a_5xx(fake: TestClient, strategies) -> None:
 
 def test_mangled_bytes_and_headers_never_get_a_5xx(fake: TestClient) -> None:
     @settings(max_examples=200, **SETTINGS)
-    @given(content=byte_mangled() | st.binary(max_size=64), headers=HEADERS)
-    def check(content: bytes, headers: dict[str, Any]) -> None:
-        response = send(fake, content, headers)
+    @given(content=byte_mangled() | st.binary(max_size=64), headers=HEADERS, path=st.sampled_from(ROUTES))
+    def check(content: bytes, headers: dict[str, Any], path: str) -> None:
+        response = send(fake, content, headers, path)
         assert response.status_code == 200 or response.status_code in CLIENT_ERRORS, response.text
         assert response.headers["x-request-id"]
 
@@ -255,9 +287,10 @@ def test_real_model_fuzzing_never_gets_a_5xx(real, strategies) -> None:
     strict, wild = strategies
 
     @settings(max_examples=80, **SETTINGS)
-    @given(body=strict.of(request_schema(client.app)) | wild.of(request_schema(client.app)))
-    def check(body: Any) -> None:
-        response = send(client, body)
+    @given(body=strict.of(request_schema(client.app)) | wild.of(request_schema(client.app)),
+           path=st.sampled_from(ROUTES))
+    def check(body: Any, path: str) -> None:
+        response = send(client, body, path=path)
         assert response.status_code == 200 or response.status_code in CLIENT_ERRORS, response.text
         if response.status_code == 200:
             assert_answers(body, response)

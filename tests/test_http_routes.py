@@ -44,7 +44,8 @@ def test_models_lists_typesafe_and_openai_shapes(client: TestClient) -> None:
     assert response.status_code == 200
     body = response.json()
     assert body["models"] == [{"name": "fake-clef", "description": "a fake model for tests",
-                               "release_date": "2026-10-01"}]
+                               "release_date": "2026-10-01", "x_confidence": "clef",
+                               "x_question_ids": "prompt", "x_question_types": ["noul", "choice", "score"]}]
     assert body["object"] == "list"
     assert body["data"] == [{"id": "fake-clef", "object": "model", "created": OCT_1_2026,
                              "owned_by": "clef-serve"}]
@@ -155,8 +156,11 @@ def test_every_response_has_a_request_id(client: TestClient, method: str, path: 
     assert response.headers["x-request-id"] == response.headers["x-typesafe-request-id"]
 
 
-def test_unknown_path_is_fastapi_404(client: TestClient) -> None:
-    assert client.get("/v2/whatever").json() == {"detail": "Not Found"}
+def test_unknown_path_is_404_in_the_documented_shape(client: TestClient) -> None:
+    response = client.get("/v2/whatever")
+    assert response.status_code == 404
+    assert response.json() == {"detail": {"message": "no route GET /v2/whatever; GET /openapi.json lists the "
+                                                     "routes", "error_type": "not_found"}}
 
 
 def test_request_error_keeps_its_status(client: TestClient, backend: FakeBackend) -> None:

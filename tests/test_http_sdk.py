@@ -164,8 +164,8 @@ EDGE_BODIES = {
     "space-id": {"state": "x", "questions": {" ": {"type": "noul"}}},
     "special-token-labels": {"state": "<|im_end|>", "questions": {"q": {
         "type": "choice", "criteria": {"<|im_end|>": None, "<think>": "x", "é ü": [None], "0": {}}}}},
-    "null-levels": {"state": [1, 2.5, True],
-                    "questions": {"q": {"type": "score", "criteria": [None, None, "hi"]}}},
+    "json-levels": {"state": [1, 2.5, True],
+                    "questions": {"q": {"type": "score", "criteria": [{"level": "low"}, ["mid"], "hi"]}}},
     "one-sided-noul": {"state": {"a": {"b": []}},
                        "questions": {"q": {"type": "noul", "criteria": {"false": None}}}},
 }

@@ -104,6 +104,18 @@ CASES: list[tuple[str, Any, dict[str, str], int, list[Any] | None, str]] = [
      ["body", "questions", "q", "score", "criteria"], "array"),
     ("score-level-number", question(type="score", criteria=["low", 2]), {}, 422,
      ["body", "questions", "q", "score", "criteria", 1], "not a number"),
+    ("score-level-null", question(type="score", criteria=["calm", None, "furious"]), {}, 422,
+     ["body", "questions", "q", "score", "criteria", 1], "must be a string"),
+    ("score-level-bool", question(type="score", criteria=[True, "high"]), {}, 422,
+     ["body", "questions", "q", "score", "criteria", 0], "not a boolean"),
+    ("score-level-empty", question(type="score", criteria=["low", "mid", ""]), {}, 422,
+     ["body", "questions", "q", "score", "criteria", 2], "empty"),
+    ("score-level-blank", question(type="score", criteria=[" \t\n", "high"]), {}, 422,
+     ["body", "questions", "q", "score", "criteria", 0], "blank"),
+    ("score-level-empty-object", question(type="score", criteria=["low", {}]), {}, 422,
+     ["body", "questions", "q", "score", "criteria", 1], "empty object"),
+    ("score-level-empty-array", question(type="score", criteria=[[], "high"]), {}, 422,
+     ["body", "questions", "q", "score", "criteria", 0], "empty array"),
     ("noul-criteria-unknown-key", question(type="noul", criteria={"true": "yes", "maybe": "?"}), {}, 422,
      ["body", "questions", "q", "noul", "criteria", "maybe"], "extra"),
     ("noul-criteria-string", question(type="noul", criteria="yes"), {}, 422,
@@ -228,24 +240,27 @@ def test_nesting_at_the_limit_is_accepted(client: TestClient) -> None:
     assert send(client, nested(MAX_JSON_DEPTH)).status_code == 200
 
 
-@pytest.mark.parametrize("payload", [
-    body(state=None),
-    body(state="plain text"),
-    body(state=[1, 2.5, {"a": None}]),
-    body(extra_field={"ignored": True}, stream=False, images=None),
-    question(type="noul"),
-    question(type="noul", instructions=None, criteria={"true": "Spam"}),
-    question(type="noul", criteria={"true": None, "false": None}),
-    question(type="noul", criteria=None),
-    question(type="choice", instructions={"task": "pick", "fields": ["a"]},
-             criteria={"a": {"x": 1}, "b": ["y"]}),
-    question(type="choice", criteria=labels(255)),
-    question(type="score", criteria=[str(i) for i in range(10)]),
-    question(type="score", criteria=["low", None, {"level": "high"}, ["x"]]),
-    body(questions={f"id {i} -é.": {"type": "noul"} for i in range(64)}),
-], ids=["state-null", "state-text", "state-array", "unknown-top-level", "noul-bare", "noul-one-sided",
-        "noul-null-descriptions", "noul-criteria-null", "json-descriptions", "choice-255", "score-10",
-        "score-mixed-levels", "questions-64"])
+# Bodies at the edges of what is valid: each is answered 200 (by the fake backend and by a real model).
+VALID: dict[str, dict[str, Any]] = {
+    "state-null": body(state=None),
+    "state-text": body(state="plain text"),
+    "state-array": body(state=[1, 2.5, {"a": None}]),
+    "unknown-top-level": body(extra_field={"ignored": True}, stream=False, images=None),
+    "noul-bare": question(type="noul"),
+    "noul-one-sided": question(type="noul", instructions=None, criteria={"true": "Spam"}),
+    "noul-null-descriptions": question(type="noul", criteria={"true": None, "false": None}),
+    "noul-criteria-null": question(type="noul", criteria=None),
+    "json-descriptions": question(type="choice", instructions={"task": "pick", "fields": ["a"]},
+                                  criteria={"a": {"x": 1}, "b": ["y"], "c": None}),
+    "choice-255": question(type="choice", criteria=labels(255)),
+    "score-10": question(type="score", criteria=[str(i) for i in range(10)]),
+    "score-mixed-levels": question(type="score", criteria=["low", " mid ", {"level": "high"}, ["x", None]]),
+    "questions-64": body(questions={f"id {i} -é.": {"type": "noul"} for i in range(64)}),
+    "good": GOOD,
+}
+
+
+@pytest.mark.parametrize("payload", list(VALID.values()), ids=list(VALID))
 def test_valid_edge_cases_are_accepted(client: TestClient, payload: dict[str, Any]) -> None:
     response = send(client, payload)
     assert response.status_code == 200, response.text
@@ -303,3 +318,75 @@ def test_no_input_gives_a_5xx(client: TestClient, payload: Any) -> None:
     if response.status_code != 200:
         assert response.status_code in (400, 413, 415, 422)
         assert "detail" in response.json()
+
+
+@pytest.fixture(scope="module")
+def real_client(make_release) -> Iterator[TestClient]:
+    from clefserve.formats.clef import ClefDecider
+    from clefserve.formats.clef.engine_backend import EngineBackend
+
+    config = EngineConfig(kv_cache_mb=32, prefill_chunk_size=2048)
+    backend = EngineBackend(ClefDecider(make_release(seed=5)), config, "clef-validation")
+    with TestClient(create_app(backend, config), raise_server_exceptions=False) as c:
+        yield c
+
+
+def test_the_official_sdk_parses_every_200_of_the_table(real_client: TestClient) -> None:
+    """Every valid edge case, answered by a real model, parses with typesafe-sdk's strict response model
+    (a null score level once came back as ``legend: {"1": null}``, which it refuses)."""
+    import httpx2
+    from typesafe_sdk import SystemOneResponse
+
+    for name, payload in VALID.items():
+        response = send(real_client, payload)
+        assert response.status_code == 200, (name, response.text)
+        parsed = SystemOneResponse.from_http_response(httpx2.Response(
+            200, content=response.content, headers=dict(response.headers),
+            request=httpx2.Request("POST", "http://clef-serve/v1/systemone")))
+        assert list(parsed.answers) == list(payload["questions"]), name
+        for qid, answer in parsed.scores.items():
+            assert list(answer.legend.values()) == payload["questions"][qid]["criteria"], name
+
+
+@pytest.mark.parametrize("kind", ["box", "predict", "Noul"])
+def test_question_types_the_model_cannot_answer(client: TestClient, backend: FakeBackend, kind: str) -> None:
+    seen = len(backend.bodies)
+    payload = body(questions={"billing": {"type": "noul"}, "dog": {"type": kind, "instructions": "The dog"}})
+    response = send(client, payload)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert detail["error_type"] == "unsupported_question_type"
+    assert f"question 'dog' ('{kind}')" in detail["message"]
+    assert "it answers noul, choice, score questions" in detail["message"]
+    assert len(backend.bodies) == seen
+
+
+OVER_LIMIT = {  # flag: (body over the default, body at a raised limit, body over the raised limit)
+    "--max-questions": (body(questions={f"q{i}": {"type": "noul"} for i in range(65)}),
+                        body(questions={f"q{i}": {"type": "noul"} for i in range(80)}),
+                        body(questions={f"q{i}": {"type": "noul"} for i in range(81)})),
+    "--max-choice-labels": (question(type="choice", criteria=labels(256)),
+                            question(type="choice", criteria=labels(300)),
+                            question(type="choice", criteria=labels(301))),
+    "--max-score-levels": (question(type="score", criteria=[f"l{i}" for i in range(11)]),
+                           question(type="score", criteria=[f"l{i}" for i in range(16)]),
+                           question(type="score", criteria=[f"l{i}" for i in range(17)])),
+}
+
+
+@pytest.mark.parametrize("flag", list(OVER_LIMIT))
+def test_every_count_limit_names_the_flag_that_raises_it(backend: FakeBackend, flag: str) -> None:
+    over_default, at_raised, over_raised = OVER_LIMIT[flag]
+    raised = EngineConfig(max_questions=80, max_choice_labels=300, max_score_levels=16)
+    with TestClient(create_app(backend, EngineConfig())) as default, \
+            TestClient(create_app(backend, raised)) as custom:
+        assert_names_problem(send(default, over_default), 422, None, f"(this server's {flag})")
+        assert send(custom, over_default).status_code == 200
+        assert send(custom, at_raised).status_code == 200
+        limit = {"--max-questions": 80, "--max-choice-labels": 300, "--max-score-levels": 16}[flag]
+        assert_names_problem(send(custom, over_raised), 422, None, f"at most {limit} allowed")
+        assert_names_problem(send(custom, over_raised), 422, None, f"(this server's {flag})")
+        schemas = custom.get("/openapi.json").json()["components"]["schemas"]
+        assert schemas["SystemOneRequest"]["properties"]["questions"]["maxProperties"] == 80
+        assert schemas["ChoiceQuestion"]["properties"]["criteria"]["maxProperties"] == 300
+        assert schemas["ScoreQuestion"]["properties"]["criteria"]["maxItems"] == 16

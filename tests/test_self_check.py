@@ -7,6 +7,7 @@ real process: the serving path then runs the faulty conv while the reference pat
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,8 +78,13 @@ def test_a_server_with_the_broken_conv_never_turns_ready(make_release, tmp_path)
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
         body = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
         assert httpx.post(f"{server.url}/v1/systemone", json=body, timeout=10).status_code == 503
+        model = httpx.get(f"{server.url}/v1/status", timeout=10).json()["model"]
+        assert (model["ready"], model["phase"], model["self_check"]["result"]) == (
+            False, "self_check_failed", "failed")
+        assert model["self_check"]["problem"].startswith("canary 1 of 3")
+        assert model["self_check"]["finished_at"]
         text = log.read_text()
-        assert "startup self-check FAILED" in text and "canary 0" in text
+        assert "startup self-check FAILED" in text and "canary 1 of 3 (long)" in text
     finally:
         server.stop()
 
@@ -87,4 +93,14 @@ def test_a_sound_server_passes_the_self_check(make_release, tmp_path):
     log = tmp_path / "server.log"
     with ServerProcess(make_release(seed=31), log) as server:
         assert httpx.get(f"{server.url}/ready", timeout=2).status_code == 200
-    assert "startup self-check passed" in log.read_text()
+        model = httpx.get(f"{server.url}/v1/status", timeout=10).json()["model"]
+        assert (model["ready"], model["phase"], model["self_check"]["result"]) == (True, "ready", "passed")
+        assert model["self_check"]["finished_at"] and model["self_check"]["problem"] is None
+    text = log.read_text()
+    assert "startup self-check passed" in text
+    # progress: each canary through each path, with its tokens and the seconds it took
+    for i, name in enumerate(("long", "shared-a", "shared-b"), 1):
+        canary = rf"self-check canary {i} of 3 \({name}\)"
+        assert re.search(canary + r", serving path: \d+ tokens .* after [\d.]+ s", text)
+        assert re.search(canary + r", reference path: \d+ tokens in [\d.]+ s", text)
+    assert "split inside its state by the chunk budget" in text and "shared state resumed" in text

@@ -15,7 +15,7 @@ import torch
 
 from clefserve.config import EngineConfig
 from clefserve.formats.clef import ClefDecider
-from clefserve.formats.clef.canary import canary_requests
+from clefserve.formats.clef.canary import build_canaries, image_canary_requests
 from clefserve.formats.clef.engine_backend import IMAGE_KEYS_FAULT_ENV, EngineBackend
 from clefserve.testing.release import ReleaseSpec, VisionSpec
 from clefserve.testing.server_process import ROOT, ServerProcess
@@ -35,7 +35,8 @@ def decider(make_release) -> ClefDecider:
 
 def test_canaries_with_pictures_pass_on_a_sound_release(decider, monkeypatch):
     monkeypatch.delenv(IMAGE_KEYS_FAULT_ENV, raising=False)
-    assert sum("images" in r for r in canary_requests(images=True)) == 3
+    canaries, _ = build_canaries(decider.encode, 96, 16384, images=True)
+    assert [c.name for c in canaries if "images" in c.request] == ["image-a", "image-b", "image-c"]
     backend = _backend(decider)
     try:
         assert backend.run_self_check() == []
@@ -52,7 +53,8 @@ def test_a_prefix_cache_blind_to_pictures_is_caught(decider, monkeypatch):
     backend = _backend(decider)
     try:
         problems = backend.run_self_check()
-        assert problems and all("canary 4" in p for p in problems), problems  # the other picture's record
+        # the other picture's record
+        assert problems and all("canary 5 of 6 (image-b)" in p for p in problems), problems
         ok, reason = backend.ready()
         assert not ok and "self-check failed" in reason
     finally:
@@ -64,7 +66,7 @@ def test_stale_encoder_cache_rows_are_caught(decider, monkeypatch):
     """The reference path encodes pictures afresh, so wrong rows served from the cache are a mismatch."""
     monkeypatch.delenv(IMAGE_KEYS_FAULT_ENV, raising=False)
     assert decider.images is not None and decider.images.encoder.cache is not None
-    first_picture = decider.encode(canary_requests(images=True)[3]).prepared_images[0]
+    first_picture = decider.encode(image_canary_requests()[0][1]).prepared_images[0]
     rows = decider.images.embed([first_picture], use_cache=False)[0]
     decider.images.encoder.cache.put(first_picture.digest, torch.roll(rows, 1, dims=0))
     backend = _backend(decider)
@@ -94,7 +96,7 @@ def test_verify_with_pictures(make_release):
     assert "passed" in result.stdout
     result = verify(folder, {IMAGE_KEYS_FAULT_ENV: "1"})
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "MISMATCH canary 4" in result.stdout
+    assert "MISMATCH canary 5 of 6 (image-b)" in result.stdout
 
 
 def test_a_server_with_the_blind_prefix_cache_never_turns_ready(make_release, tmp_path):
@@ -114,7 +116,7 @@ def test_a_server_with_the_blind_prefix_cache_never_turns_ready(make_release, tm
             if "self-check failed" in reason:
                 break
             time.sleep(0.2)
-        assert "self-check failed" in reason and "canary 4" in reason, log.read_text()[-3000:]
+        assert "self-check failed" in reason and "(image-b)" in reason, log.read_text()[-3000:]
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
     finally:
         server.stop()

@@ -3,6 +3,8 @@
 Other threads only submit, cancel and read stats; every scheduler and pool change happens under one lock,
 and the forward itself runs outside it. When sequences finish in a step, ``finish`` is called once with all
 of them (a decision head batches there) and each future gets its element of the returned list.
+Background work (the live audit) runs on the worker only while no sequence waits or runs, one bounded piece
+at a time (:meth:`Engine.set_idle_work`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +35,16 @@ from clefserve.model.inputs import InputsProvider, SequenceInputs
 log = logging.getLogger(__name__)
 
 FinishFn = Callable[[list[FinishedSequence]], list[Any]]
+
+
+class IdleWork(Protocol):
+    def pending(self) -> bool:
+        """Whether there is work left (cheap; called under the engine's lock)."""
+        ...
+
+    def run_piece(self) -> None:
+        """One bounded piece of it, on the worker thread, outside the lock; must not raise."""
+        ...
 
 
 class Engine:
@@ -81,6 +93,7 @@ class Engine:
         self._closed = False
         self._to_reap: list[Sequence] = []  # running sequences cancelled from other threads
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # run on the worker between steps
+        self._idle_work: IdleWork | None = None
         self._trace: deque[tuple[tuple[int, int], ...]] = deque(maxlen=512)
         self._counts = dict.fromkeys(
             ("steps", "multi_seq_steps", "prefill_tokens", "finished", "cancelled_waiting",
@@ -192,6 +205,13 @@ class Engine:
 
         self._on_worker(clear)
 
+    def set_idle_work(self, work: IdleWork | None) -> None:
+        """Run ``work`` on the worker thread while no sequence waits or runs, one piece per loop turn: the
+        worker looks for live work between pieces, so a sequence that arrives waits at most one piece."""
+        with self._lock:
+            self._idle_work = work
+            self._wake.notify()
+
     def recent_steps(self) -> list[tuple[tuple[int, int], ...]]:
         """The last steps' ``((seq_id, tokens), ...)``, oldest first (debugging, tests)."""
         with self._lock:
@@ -272,12 +292,19 @@ class Engine:
     def _iteration(self) -> None:
         with self._wake:
             while not (self._closed or self._calls or self._to_reap or self.scheduler.has_work()):
+                if self._idle_work is not None and self._idle_work.pending():
+                    break
                 self._wake.wait()
             if self._closed:
                 return
-            self._run_calls()
-            self._reap()
-            plan = self.scheduler.schedule()
+            idle = not (self._calls or self._to_reap or self.scheduler.has_work())
+            if not idle:
+                self._run_calls()
+                self._reap()
+                plan = self.scheduler.schedule()
+        if idle:
+            self._run_idle_piece()
+            return
         admitted_at = time.perf_counter()
         for seq in plan.admitted:
             seq.admitted_at = admitted_at
@@ -289,6 +316,18 @@ class Engine:
         elif not plan.finished and self.scheduler.has_work():
             with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
                 self._wake.wait(0.01)
+
+    def _run_idle_piece(self) -> None:
+        work = self._idle_work
+        if work is None:
+            return
+        try:
+            work.run_piece()
+        except Exception:  # it should not raise; if it does, live traffic must not notice
+            log.exception("idle work failed; dropping it")
+            with self._lock:
+                if self._idle_work is work:
+                    self._idle_work = None
 
     def _run_calls(self) -> None:
         while self._calls:

@@ -89,7 +89,8 @@ class Scheduler:
         if num_tokens > self.token_capacity:
             raise tokens_exceeded(
                 num_tokens, self.token_capacity,
-                f"the KV pool holds {self.blocks.num_blocks} blocks of {self.block_size} tokens",
+                f"the KV pool holds {self.blocks.num_blocks} blocks of {self.block_size} tokens; "
+                f"--kv-cache-mb or --kv-fraction raises it",
             )
         if num_tokens > self.max_length:
             raise tokens_exceeded(num_tokens, self.max_length, "--max-length")

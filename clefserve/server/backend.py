@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
+# What a backend answers when it does not say (an optional ``question_types()``).
+DEFAULT_QUESTION_TYPES = ("noul", "choice", "score")
+
 
 @runtime_checkable
 class DecisionBackend(Protocol):
@@ -32,3 +35,14 @@ class DecisionBackend(Protocol):
 # Optional observability: ``backend.stats()`` -> the engine's counters and pool gauges as a dict (or None
 # before the model is loaded), read by ``GET /metrics`` at scrape time; ``backend.bind_metrics(metrics)``
 # receives the app's :class:`~clefserve.server.metrics.Metrics` to observe per-decision latencies.
+# Optional status (``GET /v1/status``, the console's engine panel): ``backend.status()`` ->
+# ``{"phase", "ops", "self_check": {"result", "finished_at", "problem"}}`` (no paths or error texts);
+# ``backend.image_support()`` -> ``{"supported", "reason", "max_images", "max_image_bytes"}`` (absent: images
+# are off); an ``"audit"`` object in ``stats()`` is shown as the status's ``audit`` counters.
+# Optional capability: ``backend.question_types()`` -> the question types the loaded model answers, listed by
+# ``GET /v1/models``; a question of any other type is refused with 422 ``unsupported_question_type``.
+
+
+def question_types(backend: Any) -> tuple[str, ...]:
+    answers = getattr(backend, "question_types", None)
+    return tuple(answers()) if answers is not None else DEFAULT_QUESTION_TYPES

@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 from fastapi import HTTPException
+from pydantic import ValidationError
 
 from clefserve.server.decoding import ContentDecodingError, decode_content
-from clefserve.server.limits import MAX_INTEGER_DIGITS, MAX_JSON_DEPTH
+from clefserve.server.errors import unsupported_question_type, validation_failed
+from clefserve.server.limits import MAX_INTEGER_DIGITS, MAX_JSON_DEPTH, RequestLimits
+from clefserve.server.protocol import SystemOneRequest, unsupported_questions
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -111,6 +114,42 @@ def parse_json(raw: bytes) -> Any:
         _json_error(str(exc))
     _check_tree(value)
     return value
+
+
+# What a body may add to --max-body-bytes for its images, in 413 messages.
+WITH_IMAGES = "--max-body-bytes plus --max-images images of --max-image-bytes in base64"
+
+
+def check_text_size(raw: bytes, body: Any, max_body_bytes: int) -> None:
+    """``max_body_bytes`` (--max-body-bytes) bounds the body without its images (each image is bounded on
+    its own): a 413 otherwise."""
+    if len(raw) <= max_body_bytes:
+        return
+    images = body.get("images") if isinstance(body, dict) else None
+    strings = [entry for entry in images if isinstance(entry, str)] if isinstance(images, list) else []
+    # an encoder may escape "/" as "\/": allow for it rather than count a picture's bytes as text
+    text = len(raw) - sum(len(s) + s.count("/") for s in strings)
+    if text > max_body_bytes:
+        raise too_large(max_body_bytes, "--max-body-bytes, not counting the images")
+
+
+def validated_request(
+    body: Any, limits: RequestLimits | None = None, supported: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """``body`` (parsed JSON) when it is a valid System One request within ``limits`` (the flags' bounds;
+    the defaults when None) asking only ``supported`` question types, returned unchanged: the backend gets
+    the body as parsed, because key order and ``1`` vs ``1.0`` reach the tokens. Else a 422: FastAPI's
+    ``detail[]``, or ``unsupported_question_type``. Every HTTP decision route and ``clef-serve batch``
+    decide through this function."""
+    if supported is not None:
+        refused = unsupported_questions(body, supported)
+        if refused:
+            raise unsupported_question_type(refused, supported)
+    try:
+        SystemOneRequest.model_validate(body, context={"limits": limits or RequestLimits()})
+    except ValidationError as exc:
+        raise validation_failed(exc) from None
+    return body
 
 
 def _check_tree(value: Any) -> None:

@@ -58,3 +58,22 @@ def validation_detail(exc: ValidationError) -> list[dict[str, Any]]:
 
 def validation_failed(exc: ValidationError) -> HTTPException:
     return HTTPException(422, validation_detail(exc))
+
+
+def unsupported_question_type(refused: list[tuple[str, str]], supported: tuple[str, ...]) -> HTTPException:
+    """422 naming each question whose type the loaded model cannot answer, and the types it answers."""
+    named = ", ".join(f"{qid!r} ({kind!r})" for qid, kind in refused[:8])
+    more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+    noun = "question" if len(refused) == 1 else "questions"
+    return HTTPException(422, error_detail(
+        f"this model cannot answer {noun} {named}{more}: it answers {', '.join(supported)} questions "
+        f"(GET /v1/models lists them as x_question_types)", "unsupported_question_type"))
+
+
+def routing_error(status: int, method: str, path: str, allow: str | None) -> dict[str, Any]:
+    """The documented error body for a 404 (no such route) or 405 (wrong method) from routing."""
+    if status == 405:
+        return {"detail": error_detail(f"{method} is not allowed on {path[:200]}; allowed: {allow or 'none'}",
+                                       "method_not_allowed")}
+    return {"detail": error_detail(f"no route {method} {path[:200]}; GET /openapi.json lists the routes",
+                                   "not_found")}

@@ -1,9 +1,16 @@
 """Request limits of the System One HTTP API, in one place (the README lists them from here).
 
-The question, label and level bounds follow Cloudflare's hosted Clef (systemone-api.md §2.2). The body
-size bound is a flag (``--max-body-bytes``, ``EngineConfig.max_body_bytes``, default 1 MiB); the state's
-token budget is ``--max-length`` and is enforced by the model layer, which cuts the state to fit.
+The question, label and level bounds default to Cloudflare's hosted Clef (systemone-api.md §2.2); their
+maxima are flags (``--max-questions``, ``--max-choice-labels``, ``--max-score-levels``), handed to
+validation as :class:`RequestLimits`. The body size bound is ``--max-body-bytes`` (default 1 MiB); the
+state's token budget is ``--max-length`` and is enforced by the model layer, which cuts the state to fit.
+A refusal names the flag that raises its limit.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 MIN_QUESTIONS = 1
 MAX_QUESTIONS = 64
@@ -19,3 +26,16 @@ MAX_INTEGER_DIGITS = 4300
 MAX_REQUEST_ID_LENGTH = 128
 # Validation errors echo the offending input only when its JSON is at most this long.
 MAX_ECHOED_INPUT_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The maxima an operator can raise, with the flags that raise them."""
+
+    max_questions: int = MAX_QUESTIONS
+    max_choice_labels: int = MAX_CHOICE_LABELS
+    max_score_levels: int = MAX_SCORE_LEVELS
+
+    FLAGS: ClassVar[dict[str, str]] = {"max_questions": "--max-questions",
+                                       "max_choice_labels": "--max-choice-labels",
+                                       "max_score_levels": "--max-score-levels"}

@@ -28,7 +28,14 @@ Names (all prefixed ``clef_``):
 - vision (releases with a vision tower): ``clef_vision_images_encoded_total``, ``_patches_encoded_total``,
   ``_encode_seconds_total``, and the encoder cache's ``clef_vision_encoder_cache_hits_total`` /
   ``_misses_total`` / ``_evictions_total`` / ``_bytes`` / ``_budget_bytes``.
+- live audit (at scrape time, from ``stats()["audit"]``):
+  ``clef_audit_total{result="match|mismatch|skipped"}``, ``clef_audit_max_probability_difference``
+  (histogram of the largest option difference per audited request), ``clef_audit_queued`` (samples waiting
+  for idle time).
 - ``process_*``: the process collector (resident memory, CPU seconds, open fds).
+
+``Metrics.recent`` (not exported: Prometheus computes rates itself) keeps the last minute of decision
+requests (POST routes) for ``GET /v1/status``: requests per second and p50/p95 latency.
 """
 
 from __future__ import annotations
@@ -47,8 +54,10 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from clefserve.server.rolling import RollingWindow
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +90,9 @@ class Metrics:
         self.errors = Counter("clef_request_errors", "Decisions refused or cut short, by error type",
                               ["error_type"], registry=r)
         ProcessCollector(registry=r)
-        r.register(EngineCollector(stats, ready))
+        self.engine = EngineCollector(stats, ready)
+        r.register(self.engine)
+        self.recent = RollingWindow()
 
     def observe_decision(self, queue_wait_s: float, compute_s: float) -> None:
         """Thread-safe: called on the engine's thread when a decision is answered."""
@@ -167,6 +178,8 @@ class EngineCollector:
         yield outcomes
         if "images_encoded" in s:  # a release with a vision tower
             yield from _vision_metrics(s)
+        if "audit" in s:
+            yield from audit_metrics(s["audit"])
 
 
 def _vision_metrics(s: dict[str, Any]) -> Iterator[Metric]:
@@ -188,6 +201,23 @@ def _vision_metrics(s: dict[str, Any]) -> Iterator[Metric]:
                                 value=s["encoder_cache_bytes"])
         yield GaugeMetricFamily("clef_vision_encoder_cache_budget_bytes", "The encoder cache's byte budget "
                                 "(--image-cache-mb)", value=s["encoder_cache_budget_bytes"])
+
+
+def audit_metrics(audit: dict[str, Any]) -> Iterator[Metric]:
+    """The live audit's counters and histogram (clefserve.formats.clef.audit), also when it is off."""
+    results = CounterMetricFamily("clef_audit", "Answered requests sampled by the live audit, by result "
+                                  "against the reference path", labels=["result"])
+    for result in ("match", "mismatch", "skipped"):
+        results.add_metric([result], audit[result])
+    yield results
+    histogram = audit["max_difference"]
+    buckets = [(bound if isinstance(bound, str) else repr(bound), count)
+               for bound, count in histogram["buckets"]]
+    yield HistogramMetricFamily("clef_audit_max_probability_difference",
+                                "Largest |serving - reference| option probability per audited request",
+                                buckets=buckets, sum_value=histogram["sum"])
+    yield GaugeMetricFamily("clef_audit_queued", "Sampled requests waiting for idle engine time",
+                            value=audit["queued"])
 
 
 class MetricsMiddleware:
@@ -223,4 +253,7 @@ class MetricsMiddleware:
             # 0: no response started (the client left, or the task was cancelled at shutdown)
             method = scope["method"] if scope["method"] in METHODS else UNMATCHED_ROUTE
             m.requests.labels(method, route, str(status) if status else "none").inc()
-            m.duration.labels(route).observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            m.duration.labels(route).observe(elapsed)
+            if method == "POST" and route != UNMATCHED_ROUTE:  # decisions: the only POST routes
+                m.recent.record(elapsed, ok=0 < status < 400)

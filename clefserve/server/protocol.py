@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -20,6 +28,7 @@ from clefserve.server.limits import (
     MIN_CHOICE_LABELS,
     MIN_QUESTIONS,
     MIN_SCORE_LEVELS,
+    RequestLimits,
 )
 
 
@@ -47,16 +56,56 @@ Description = Annotated[
 ]
 
 
-def _count_error(what: str, n: int, low: int, high: int) -> PydanticCustomError:
+def _level(value: Any) -> Any:
+    if isinstance(value, str):
+        if not value.strip():
+            raise PydanticCustomError("empty_level", "a score level must not be empty or blank")
+        return value
+    if isinstance(value, dict | list):
+        if not value:
+            raise PydanticCustomError("empty_level", "a score level must not be an empty {kind}",
+                                      {"kind": "object" if isinstance(value, dict) else "array"})
+        return value
+    raise PydanticCustomError(
+        "level_type", "a score level must be a string (or an object or array describing it), not {kind}",
+        {"kind": "null" if value is None else _json_kind(value)},
+    )
+
+
+# A score level: what the legend echoes and the model reads as that level's description. TypeSafe's
+# OpenAPI and SDK allow a string, an object or an array here (not null, unlike choice descriptions); a
+# level that says nothing (blank text, {} or []) is refused too.
+Level = Annotated[
+    Any,
+    PlainValidator(_level),
+    WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1, "pattern": "\\S"},
+                              {"type": "object", "minProperties": 1},
+                              {"type": "array", "minItems": 1}]}),
+]
+
+
+def _count_error(what: str, n: int, low: int, high: int, flag: str) -> PydanticCustomError:
     if n < low:
         return PydanticCustomError(
             "too_short", "{what}: at least {min_length} required, got {actual_length}",
             {"what": what, "min_length": low, "actual_length": n},
         )
     return PydanticCustomError(
-        "too_long", "{what}: at most {max_length} allowed, got {actual_length}",
-        {"what": what, "max_length": high, "actual_length": n},
+        "too_long", "{what}: at most {max_length} allowed, got {actual_length} (this server's {flag})",
+        {"what": what, "max_length": high, "actual_length": n, "flag": flag},
     )
+
+
+def _limits(info: ValidationInfo) -> RequestLimits:
+    """The operator's limits, passed as ``model_validate(..., context={"limits": RequestLimits(...)})``."""
+    limits = (info.context or {}).get("limits")
+    return limits if isinstance(limits, RequestLimits) else RequestLimits()
+
+
+def _check_count(what: str, n: int, low: int, limits: RequestLimits, name: str) -> None:
+    high = getattr(limits, name)
+    if not low <= n <= high:
+        raise _count_error(what, n, low, high, RequestLimits.FLAGS[name])
 
 
 class _Question(BaseModel):
@@ -84,17 +133,16 @@ class NoulQuestion(_Question):
 class ChoiceQuestion(_Question):
     type: Literal["choice"]
     criteria: dict[str, Description] = Field(
-        description=f"Label -> description (null: the label alone), "
-                    f"{MIN_CHOICE_LABELS}-{MAX_CHOICE_LABELS} non-empty labels.",
-        min_length=MIN_CHOICE_LABELS, max_length=MAX_CHOICE_LABELS,
+        description=f"Label -> description (null: the label alone), at least {MIN_CHOICE_LABELS} non-empty "
+                    f"labels, at most --max-choice-labels (default {MAX_CHOICE_LABELS}).",
+        min_length=MIN_CHOICE_LABELS, json_schema_extra={"maxProperties": MAX_CHOICE_LABELS},
     )
 
     @field_validator("criteria", mode="before")
     @classmethod
-    def _labels(cls, value: Any) -> Any:
+    def _labels(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, dict):
-            if not MIN_CHOICE_LABELS <= len(value) <= MAX_CHOICE_LABELS:
-                raise _count_error("choice labels", len(value), MIN_CHOICE_LABELS, MAX_CHOICE_LABELS)
+            _check_count("choice labels", len(value), MIN_CHOICE_LABELS, _limits(info), "max_choice_labels")
             if "" in value:
                 raise PydanticCustomError("empty_label", "choice labels must be non-empty strings")
         return value
@@ -102,27 +150,39 @@ class ChoiceQuestion(_Question):
 
 class ScoreQuestion(_Question):
     type: Literal["score"]
-    criteria: list[Description] = Field(
-        description=f"Ordered level descriptions, index 0 = lowest, "
-                    f"{MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels.",
-        min_length=MIN_SCORE_LEVELS, max_length=MAX_SCORE_LEVELS,
+    criteria: list[Level] = Field(
+        description=f"Ordered level descriptions, index 0 = lowest, at least {MIN_SCORE_LEVELS} levels, at "
+                    f"most --max-score-levels (default {MAX_SCORE_LEVELS}); each a non-blank string (or a "
+                    f"non-empty object or array), never null.",
+        min_length=MIN_SCORE_LEVELS, json_schema_extra={"maxItems": MAX_SCORE_LEVELS},
     )
 
     @field_validator("criteria", mode="before")
     @classmethod
-    def _levels(cls, value: Any) -> Any:
+    def _levels(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, dict):
             raise PydanticCustomError(
                 "score_criteria_object",
                 'score criteria must be an array of level descriptions (index 0 = lowest); '
                 'the older object form {"0": ..., "1": ...} is not accepted',
             )
-        if isinstance(value, list) and not MIN_SCORE_LEVELS <= len(value) <= MAX_SCORE_LEVELS:
-            raise _count_error("score levels", len(value), MIN_SCORE_LEVELS, MAX_SCORE_LEVELS)
+        if isinstance(value, list):
+            _check_count("score levels", len(value), MIN_SCORE_LEVELS, _limits(info), "max_score_levels")
         return value
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+def unsupported_questions(body: Any, supported: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(question id, type) of each question whose ``type`` is a name this model does not answer (``box``, or
+    any other); a missing or non-string type is left to validation."""
+    questions = body.get("questions") if isinstance(body, dict) else None
+    if not isinstance(questions, dict):
+        return []
+    return [(qid, q["type"]) for qid, q in questions.items()
+            if isinstance(q, dict) and isinstance(q.get("type"), str) and q["type"]
+            and q["type"] not in supported]
 
 
 class SystemOneRequest(BaseModel):
@@ -133,9 +193,9 @@ class SystemOneRequest(BaseModel):
     model: str = Field(description="Model name or alias; echoed in the response.", examples=["jev-latest"])
     state: Any = Field(description="The content every question refers to: any JSON value, null included.")
     questions: dict[str, Question] = Field(
-        description=f"Question id -> question, {MIN_QUESTIONS}-{MAX_QUESTIONS} questions with non-empty ids; "
-                    "ids are echoed as answer keys.",
-        min_length=MIN_QUESTIONS, max_length=MAX_QUESTIONS,
+        description=f"Question id -> question, at least {MIN_QUESTIONS}, at most --max-questions (default "
+                    f"{MAX_QUESTIONS}), with non-empty ids; ids are echoed as answer keys.",
+        min_length=MIN_QUESTIONS, json_schema_extra={"maxProperties": MAX_QUESTIONS},
     )
     images: list[str] | None = Field(
         None,
@@ -150,10 +210,9 @@ class SystemOneRequest(BaseModel):
 
     @field_validator("questions", mode="before")
     @classmethod
-    def _questions(cls, value: Any) -> Any:
+    def _questions(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, dict):
-            if not MIN_QUESTIONS <= len(value) <= MAX_QUESTIONS:
-                raise _count_error("questions", len(value), MIN_QUESTIONS, MAX_QUESTIONS)
+            _check_count("questions", len(value), MIN_QUESTIONS, _limits(info), "max_questions")
             if "" in value:
                 raise PydanticCustomError("empty_question_id", "question ids must be non-empty strings")
         return value
@@ -197,7 +256,7 @@ class ScoreAnswer(BaseModel):
     type: Literal["score"]
     score: float = Field(description="Expected level index, sum of i * p_i, on the 0..N-1 scale.")
     confidence: float
-    legend: dict[str, Description] = Field(description='"0".."N-1" -> the criteria as sent.')
+    legend: dict[str, Level] = Field(description='"0".."N-1" -> the criteria as sent.')
     probabilities: dict[str, float]
     x_probabilities: dict[str, float] | None = Field(
         None, description="Extension (--x-raw-probabilities): unrounded float32 probabilities by option id.")
@@ -223,6 +282,13 @@ class ModelCard(BaseModel):
     name: str
     description: str
     release_date: str = Field(description="YYYY-MM-DD")
+    x_confidence: Literal["clef", "typesafe"] | None = Field(
+        None, description="Extension: the confidence definition in force (--confidence).")
+    x_question_ids: Literal["prompt", "opaque"] | None = Field(
+        None, description="Extension: whether question ids reach the model (--question-ids).")
+    x_question_types: list[str] | None = Field(
+        None, description="Extension: the question types this model answers; any other type is a 422 "
+                          "unsupported_question_type.")
 
 
 class OpenAIModel(BaseModel):

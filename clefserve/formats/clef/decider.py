@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from clefserve.confidence import CONFIDENCE_MODES
 from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
@@ -31,13 +32,21 @@ class ClefDecider:
         device: str | torch.device = "cpu",
         max_length: int = DEFAULT_MAX_LENGTH,
         kernels: str = "auto",
+        *,
+        confidence: str = "clef",
+        question_ids: str = "prompt",
         image_limits: ImageLimits | None = None,
         image_cache_bytes: int = 256 << 20,
     ) -> None:
         """``kernels``: ``auto``/``fast`` picks the fastest ops for the device, ``reference`` the plain
-        torch ops (:mod:`clefserve.model.ops.select`). ``image_limits``, ``image_cache_bytes``: requests
-        with images, for a release with a vision tower."""
+        torch ops (:mod:`clefserve.model.ops.select`). ``confidence`` and ``question_ids``: the
+        ``--confidence`` and ``--question-ids`` semantics (README "Semantics"); the defaults answer exactly as
+        Cloudflare's reference. ``image_limits``, ``image_cache_bytes``: requests with images, for a release
+        with a vision tower."""
+        if confidence not in CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {CONFIDENCE_MODES}, not {confidence!r}")
         self.folder = Path(folder)
+        self.confidence = confidence
         facts = device_facts(torch.device(device))
         check_dtype(facts, dtype)  # before loading: a V100 refuses bf16 at once
         self.backbone = load_backbone(self.folder, dtype, device)
@@ -46,7 +55,7 @@ class ClefDecider:
         # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
         head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
-        self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        self.encoder = ClefEncoder.from_folder(self.folder, max_length, question_ids)
         # like the head, the vision tower computes in fp32 where low-precision GEMMs are slow
         self.images, self.images_refused = ReleaseImages.load(
             self.folder, self.encoder.vision_token_ids(), head_dtype, device, image_limits, image_cache_bytes
@@ -63,6 +72,7 @@ class ClefDecider:
         random backbone directly on the GPU instead of writing and reading 18 GB of safetensors)."""
         self = cls.__new__(cls)
         self.folder = Path(folder)
+        self.confidence = "clef"
         self.backbone = backbone
         dtype, device = backbone.dtype, backbone.device
         shapes = OpShapes.from_config(backbone.config)
@@ -108,7 +118,7 @@ class ClefDecider:
         raw: bool = False,
         cached_tokens: int | None = None,
     ) -> dict[str, Any]:
-        return build_response(request, record, logits, raw, cached_tokens)
+        return build_response(request, record, logits, raw, cached_tokens, self.confidence)
 
     @torch.inference_mode()
     def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False,

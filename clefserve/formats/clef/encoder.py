@@ -36,6 +36,10 @@ NOUL_DEFAULTS = {
     "false": "The proposition is false or the answer is no.",
 }
 DEFAULT_MAX_LENGTH = 16384
+# --question-ids: "prompt" writes the client's question id into the record (Cloudflare's encoding, what the
+# model was trained on); "opaque" writes a positional name instead (q1, q2, ...), so that ids never reach
+# the model, as TypeSafe's contract says.
+QUESTION_ID_MODES = ("prompt", "opaque")
 # "OPTION {j}: " ids are cached for the first labels only, so the cache stays bounded.
 _OPTION_LABEL_CACHE = 256
 
@@ -75,17 +79,28 @@ def question_options(question_id: str, question: dict[str, Any]) -> list[tuple[s
     raise RequestError(f"{question_id}: type must be noul, choice, or score")
 
 
-def _instructions(question_id: str, question: dict[str, Any]) -> str:
+def _instructions(question_id: str, question: dict[str, Any], name: str) -> str:
+    """The instruction text; missing, null or "" instructions fall back to the name the record shows."""
     instructions = question.get("instructions")
     if instructions is None or (isinstance(instructions, str) and instructions == ""):
-        return question_id
+        return name
     return render(instructions, f"{question_id}: instructions")
 
 
+def positional_name(number: int) -> str:
+    """The name ``--question-ids opaque`` writes for the ``number``-th question (1-based)."""
+    return f"q{number}"
+
+
 class ClefEncoder:
-    def __init__(self, tokenizer: Tokenizer, max_length: int = DEFAULT_MAX_LENGTH) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_length: int = DEFAULT_MAX_LENGTH, question_ids: str = "prompt"
+    ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
+        if question_ids not in QUESTION_ID_MODES:
+            raise ValueError(f"question_ids must be one of {QUESTION_ID_MODES}, not {question_ids!r}")
+        self.question_ids = question_ids
         # A private copy: we switch off truncation/padding (as transformers does per call)
         # without touching the caller's tokenizer.
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
@@ -124,7 +139,9 @@ class ClefEncoder:
         return ids, placed
 
     @classmethod
-    def from_folder(cls, folder: str | Path, max_length: int = DEFAULT_MAX_LENGTH) -> ClefEncoder:
+    def from_folder(
+        cls, folder: str | Path, max_length: int = DEFAULT_MAX_LENGTH, question_ids: str = "prompt"
+    ) -> ClefEncoder:
         path = Path(folder) / "tokenizer.json"
         if not path.is_file():
             raise ReleaseError(f"{Path(folder)}: no tokenizer.json")
@@ -132,7 +149,7 @@ class ClefEncoder:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception
             raise ReleaseError(f"{path}: not a readable tokenizers file ({exc})") from exc
-        return cls(tokenizer, max_length)
+        return cls(tokenizer, max_length, question_ids)
 
     def _ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -191,9 +208,10 @@ class ClefEncoder:
                 raise RequestError(f"{question_id}: a question must be an object")
             options = question_options(question_id, question)
             kind = question["type"]
-            pieces.append(f"\nFIELD {number}\nID: {question_id}\nTYPE: {kind}\nINSTRUCTION: ")
+            name = positional_name(number) if self.question_ids == "opaque" else question_id
+            pieces.append(f"\nFIELD {number}\nID: {name}\nTYPE: {kind}\nINSTRUCTION: ")
             instruction_piece = len(pieces)
-            pieces.append(_instructions(question_id, question))
+            pieces.append(_instructions(question_id, question, name))
             pieces.append(self._options_header)
             option_pieces = []
             for option_number, (option_id, description) in enumerate(options, 1):
