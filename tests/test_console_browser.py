@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import struct
 import subprocess
@@ -393,7 +394,9 @@ def test_the_engine_panels_request_counter_rises(browser: Browser, server: Serve
     assert requests_shown(browser) == before + 3
     assert float(text_of(browser, "#stat-rps")) > 0
     assert browser.js("return document.querySelectorAll('#engine svg.chart rect.bar-ok').length") > 0
-    assert text_of(browser, "#audit-panel") is None  # no audit counters: no audit panel
+    panel = text_of(browser, "#audit-panel")  # the server runs the live audit by default (1%)
+    assert panel is not None and "fraction1.0%" in panel and "enabledtrue" in panel
+    assert re.search(r"tolerance\d\.\d\de-\d|tolerance0\.0+[1-9]", panel), panel  # not rounded to 0
 
 
 def test_images_are_off_with_the_reason_while_the_server_takes_none(browser: Browser,

@@ -271,7 +271,18 @@ class EngineBackend:
         engine, decider = self.engine, self.decider
         if engine is None or decider is None or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
-        return self._submit(engine, body, decider.encode(body), self.config.raw_probabilities)
+        return self._submit(engine, body, self._encode(decider, body), self.config.raw_probabilities)
+
+    @staticmethod
+    def _encode(decider: ClefDecider, body: dict[str, Any]) -> EncodedRecord:
+        try:
+            return decider.encode(body)
+        except RequestError as exc:
+            if exc.error_type != "tokens_exceeded":
+                raise
+            # the reference's message, and the flag that raises the limit
+            message = f"{exc.message} (this server's --max-length)"
+            raise RequestError(message, exc.status, exc.error_type) from None
 
     async def stop(self) -> None:
         """After the server has drained (uvicorn waits up to --shutdown-grace-s for in-flight requests):
@@ -291,14 +302,7 @@ class EngineBackend:
         failure = self._failure()
         if engine is None or decider is None or engine.closed or failure is not None:
             raise RequestError(f"the model is not ready: {failure or self._reason}", 503, "unavailable")
-        try:
-            record = await asyncio.to_thread(decider.encode, body)
-        except RequestError as exc:
-            if exc.error_type != "tokens_exceeded":
-                raise
-            # the reference's message, and the flag that raises the limit
-            message = f"{exc.message} (this server's --max-length)"
-            raise RequestError(message, exc.status, exc.error_type) from None
+        record = await asyncio.to_thread(self._encode, decider, body)
         try:
             future = self._submit(engine, body, record, self.config.raw_probabilities, request_id)
         except EngineClosedError as exc:
