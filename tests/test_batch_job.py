@@ -20,6 +20,7 @@ from clefserve.batch.lookahead import Lookahead
 from clefserve.batch.output import JsonlOutput, OutputError, ParquetOutput, answer_line, error_line
 from clefserve.batch.progress import Progress
 from clefserve.batch.records import Item, item_from_json
+from clefserve.config import EngineConfig
 from clefserve.engine import QueueFullError
 from clefserve.errors import RequestError
 
@@ -42,6 +43,11 @@ class FakeBackend:
         self.submitted: list[dict[str, Any]] = []
         self.futures: list[Future] = []
         self.on_submit: Any = None
+        self.config = EngineConfig()
+
+    @staticmethod
+    def question_types() -> tuple[str, ...]:
+        return ("noul", "choice", "score")
 
     def submit(self, body: dict[str, Any]) -> Future:
         if body["state"] == "too long":

@@ -84,8 +84,9 @@ def test_progress_and_coverage_are_logged(decider: ClefDecider, caplog) -> None:
                        text)
     assert passed, text
     chunks = [int(n) for n in passed.group(2).split(", ")]
-    # the fixed prefix (a snapshot point), a whole chunk of state, the rest of the state, the schema
-    assert len(chunks) == int(passed.group(1)) >= 4 and 200 in chunks
+    # the fixed prefix (a snapshot point), state pieces cut where a step's budget of 200 ran out (the
+    # scheduler shares steps with the shorter canaries, so a piece may be below 200), the schema
+    assert len(chunks) == int(passed.group(1)) >= 4 and max(chunks) <= 200
     assert "shared state resumed from the prefix cache" in text
     assert "WARNING" not in text
 

@@ -63,7 +63,8 @@ def recording_decider(release: Path) -> type:
         made: ClassVar[list[tuple[Any, ...]]] = []
 
         def __init__(self, *args: Any, **semantics: Any) -> None:
-            RecordingDecider.made.append(args)
+            RecordingDecider.made.append((*args, semantics.get("image_limits"),
+                                          semantics.get("image_cache_bytes")))
             super().__init__(release, torch.float32, "cpu", args[3], **semantics)
 
     return RecordingDecider

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import struct
 import subprocess
@@ -393,7 +394,9 @@ def test_the_engine_panels_request_counter_rises(browser: Browser, server: Serve
     assert requests_shown(browser) == before + 3
     assert float(text_of(browser, "#stat-rps")) > 0
     assert browser.js("return document.querySelectorAll('#engine svg.chart rect.bar-ok').length") > 0
-    assert text_of(browser, "#audit-panel") is None  # no audit counters: no audit panel
+    panel = text_of(browser, "#audit-panel")  # the server runs the live audit by default (1%)
+    assert panel is not None and "fraction1.0%" in panel and "enabledtrue" in panel
+    assert re.search(r"tolerance\d\.\d\de-\d|tolerance0\.0+[1-9]", panel), panel  # not rounded to 0
 
 
 def test_images_are_off_with_the_reason_while_the_server_takes_none(browser: Browser,
@@ -481,6 +484,29 @@ def test_picked_images_become_data_urls_with_thumbnails(browser: Browser, image_
     find(browser, f"[aria-label='Remove image {picture.name}']").click()
     assert "images" not in curl_body(snippet(browser, "curl"))
     assert browser.errors() == []
+
+
+class VisionBackend(ImageBackend):
+    def stats(self) -> dict[str, Any]:
+        return {**ENGINE_STATS, "images_encoded": 12, "patches_encoded": 4800, "vision_seconds": 3.25,
+                "encoder_cache_hits": 6, "encoder_cache_misses": 2, "encoder_cache_evictions": 0,
+                "encoder_cache_bytes": 3 << 20, "encoder_cache_budget_bytes": 256 << 20}
+
+    def image_support(self) -> dict[str, Any]:
+        return {**super().image_support(), "max_body_bytes": 9 << 20}
+
+
+def test_the_vision_panel_shows_the_tower_and_its_encoder_cache(browser: Browser) -> None:
+    with in_process_server(VisionBackend(), EngineConfig()) as url:
+        open_console(browser, url)
+        browser.wait(lambda d: text_of(browser, "#vision-panel") is not None, timeout=10)
+        panel = text_of(browser, "#vision-panel")
+        assert "pictures encoded12" in panel and "patches4,800" in panel, panel
+        assert "encoder cache hit rate75.0%" in panel and "encoder cache hits · misses6 · 2" in panel, panel
+        # the picker's limit is the body limit with images, not --max-body-bytes
+        browser.wait(lambda d: "Up to 2 images" in text_of(browser, "#image-note"))
+        assert "(9.0 MiB per request)" in text_of(browser, "#image-note")
+        assert browser.errors() == []
 
 
 def test_screenshots_at_1280_and_390_pixels(browser: Browser, server: ServerProcess) -> None:

@@ -84,7 +84,7 @@ def item_from_json(raw: bytes, position: int, limit: int, text_limit: int | None
             raise too_large(limit, WITH_IMAGES if text_limit is not None and limit > text_limit
                             else "--max-body-bytes")
         value = parse_json(raw)
-        if text_limit is not None:
+        if text_limit is not None:  # a line read for its images whose text is too long: as if unread
             check_text_size(raw, value, text_limit)
     except HTTPException as exc:
         return Item(position, position, error=error_from_http(exc), size=len(raw))

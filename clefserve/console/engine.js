@@ -125,7 +125,7 @@ export function renderEngine(container, status) {
   }
   if (status.audit && typeof status.audit === "object") {
     parts.push(el("section", { class: "panel-section", id: "audit-panel" }, el("h3", { text: "Audit" }),
-      el("dl", { class: "stats" }, Object.entries(status.audit).map(([key, value]) => row(key.replaceAll("_", " "), typeof value === "number" ? formatCount(value) : String(value))))));
+      el("dl", { class: "stats" }, auditRows(status.audit))));
   }
   parts.push(el("p", { class: "muted small", id: "engine-updated", text: `clef-serve ${status.server.version} · up ${Math.round(status.server.uptime_s)} s · updated ${new Date().toLocaleTimeString()}` }));
   clear(container, parts);
@@ -133,6 +133,19 @@ export function renderEngine(container, status) {
 
 export function renderEngineProblem(container, message) {
   clear(container, el("p", { class: "engine-problem", role: "status", text: message }));
+}
+
+// The status flattens the audit's counters to "a.b" keys; unset ones (null) and the histogram's buckets are
+// left out, a fraction is a percentage and a byte count a size.
+function auditRows(audit) {
+  return Object.entries(audit)
+    .filter(([key, value]) => value !== null && !key.startsWith("max_difference.bucket"))
+    .map(([key, value]) => {
+      const label = key.replaceAll("_", " ");
+      if (key === "fraction") return row(label, percent(value));
+      if (key.endsWith("bytes") && typeof value === "number") return row(label, formatBytes(value));
+      return row(label, auditValue(value));
+    });
 }
 
 function auditValue(value) {

@@ -130,7 +130,8 @@ def check_text_size(raw: bytes, body: Any, max_body_bytes: int) -> None:
     # an encoder may escape "/" as "\/": allow for it rather than count a picture's bytes as text
     text = len(raw) - sum(len(s) + s.count("/") for s in strings)
     if text > max_body_bytes:
-        raise too_large(max_body_bytes, "--max-body-bytes, not counting the images")
+        raise too_large(max_body_bytes, "--max-body-bytes, not counting the images" if strings
+                        else "--max-body-bytes")
 
 
 def validated_request(

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clefserve import __version__
 from clefserve.config import EngineConfig
-from clefserve.server.limits import MAX_CHOICE_LABELS, MAX_QUESTIONS, MAX_SCORE_LEVELS
 from clefserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -306,11 +305,12 @@ class StatusReporter:
             },
             "engine": _engine(_collected(self.metrics), config),
             "requests": _requests(self.metrics),
-            "limits": {"max_body_bytes": config.max_body_bytes, "max_questions": MAX_QUESTIONS,
-                       "max_choice_labels": MAX_CHOICE_LABELS, "max_score_levels": MAX_SCORE_LEVELS},
+            "limits": {"max_body_bytes": config.max_body_bytes, "max_questions": config.max_questions,
+                       "max_choice_labels": config.max_choice_labels,
+                       "max_score_levels": config.max_score_levels},
             "images": {k: images.get(k) for k in ImageSupport.model_fields if k in images},
         }
         audit = stats.get("audit") if isinstance(stats, dict) else None
-        if audit:
+        if audit and audit.get("enabled", True):  # --audit-fraction 0: no audit, no panel
             body["audit"] = _scalars(audit)
         return body

@@ -236,7 +236,7 @@ class Coverage:
     """What the serving path exercised, read back from the engine's steps."""
 
     long_chunks: list[int]  # tokens the long canary ran in each step
-    budget_split: bool  # a step ended inside the long canary's state because the chunk budget ran out
+    budget_split: bool  # a piece of the long canary ended inside its state because its step's budget ran out
     shared_state_cached: bool  # shared-b resumed at (or past) the end of its state from the cache
     batched_steps: int  # steps that ran several canaries together
 
@@ -253,15 +253,17 @@ def coverage(canaries: Sequence[Canary], served: Sequence[dict[str, Any]],
     """``steps``: the engine's ``((seq_id, tokens), ...)`` of each step the canaries ran in."""
     long, shared_b = canaries[0], canaries[2]
     computed = long.tokens - served[0]["usage"].get("x_cached_tokens", 0)
-    runs: dict[int, list[int]] = {}
+    runs: dict[int, list[tuple[int, bool]]] = {}  # per sequence: (tokens, the step used the whole budget)
     for step in steps:
+        full = sum(n for _, n in step) == chunk_tokens
         for seq_id, n in step:
-            runs.setdefault(seq_id, []).append(n)
-    long_chunks = next((chunks for chunks in runs.values() if sum(chunks) == computed), [])
+            runs.setdefault(seq_id, []).append((n, full))
+    long_run = next((run for run in runs.values() if sum(n for n, _ in run) == computed), [])
     position, split = long.tokens - computed, False
-    for n in long_chunks:
+    for n, full in long_run:
         position += n
-        split |= n == chunk_tokens and long.record.prefix_end < position < long.record.state_end
+        split |= full and long.record.prefix_end < position < long.record.state_end
+    long_chunks = [n for n, _ in long_run]
     cached = served[2]["usage"].get("x_cached_tokens", 0) >= shared_b.record.state_end
     return Coverage(long_chunks, split, cached, sum(1 for step in steps if len(step) > 1))
 

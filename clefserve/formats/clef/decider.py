@@ -15,7 +15,7 @@ from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
 from clefserve.model.backbone import Backbone
-from clefserve.model.device import check_dtype, device_facts
+from clefserve.model.device import DeviceFacts, check_dtype, device_facts
 from clefserve.model.inputs import SequenceInputs
 from clefserve.model.ops import gemm
 from clefserve.model.ops.select import OpShapes, select_ops
@@ -43,22 +43,14 @@ class ClefDecider:
         ``--confidence`` and ``--question-ids`` semantics (README "Semantics"); the defaults answer exactly as
         Cloudflare's reference. ``image_limits``, ``image_cache_bytes``: requests with images, for a release
         with a vision tower."""
-        if confidence not in CONFIDENCE_MODES:
-            raise ValueError(f"confidence must be one of {CONFIDENCE_MODES}, not {confidence!r}")
-        self.folder = Path(folder)
-        self.confidence = confidence
         facts = device_facts(torch.device(device))
         check_dtype(facts, dtype)  # before loading: a V100 refuses bf16 at once
-        self.backbone = load_backbone(self.folder, dtype, device)
-        shapes = OpShapes.from_config(self.backbone.config)
-        self.backbone.set_ops(select_ops(self.backbone.device, dtype, kernels, shapes, facts))
-        # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
-        head_dtype = gemm.compute_dtype(self.backbone.device, dtype)
-        self.head = load_head(self.folder, head_dtype, device, hidden_size=self.backbone.config.hidden_size)
-        self.encoder = ClefEncoder.from_folder(self.folder, max_length, question_ids)
+        backbone = load_backbone(Path(folder), dtype, device)
+        self._assemble(folder, backbone, max_length, kernels, confidence, question_ids, facts)
         # like the head, the vision tower computes in fp32 where low-precision GEMMs are slow
         self.images, self.images_refused = ReleaseImages.load(
-            self.folder, self.encoder.vision_token_ids(), head_dtype, device, image_limits, image_cache_bytes
+            self.folder, self.encoder.vision_token_ids(), gemm.compute_dtype(backbone.device, dtype), device,
+            image_limits, image_cache_bytes,
         )
 
     @property
@@ -67,21 +59,26 @@ class ClefDecider:
 
     @classmethod
     def with_backbone(cls, folder: str | Path, backbone: Backbone, max_length: int = DEFAULT_MAX_LENGTH,
-                      kernels: str = "auto") -> ClefDecider:
+                      kernels: str = "auto", *, confidence: str = "clef",
+                      question_ids: str = "prompt") -> ClefDecider:
         """The release's head and encoder around a backbone built elsewhere (benchmarks build a 9B-shaped
         random backbone directly on the GPU instead of writing and reading 18 GB of safetensors)."""
         self = cls.__new__(cls)
-        self.folder = Path(folder)
-        self.confidence = "clef"
-        self.backbone = backbone
+        self._assemble(folder, backbone, max_length, kernels, confidence, question_ids, None)
+        return self
+
+    def _assemble(self, folder: str | Path, backbone: Backbone, max_length: int, kernels: str,
+                  confidence: str, question_ids: str, facts: DeviceFacts | None) -> None:
+        if confidence not in CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {CONFIDENCE_MODES}, not {confidence!r}")
+        self.folder, self.backbone, self.confidence = Path(folder), backbone, confidence
         dtype, device = backbone.dtype, backbone.device
-        shapes = OpShapes.from_config(backbone.config)
-        backbone.set_ops(select_ops(device, dtype, kernels, shapes))
+        backbone.set_ops(select_ops(device, dtype, kernels, OpShapes.from_config(backbone.config), facts))
+        # the head is small: where low-precision GEMMs are slow (see ops.gemm) it runs in fp32 outright
         head_dtype = gemm.compute_dtype(device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=backbone.config.hidden_size)
-        self.encoder = ClefEncoder.from_folder(self.folder, max_length)
+        self.encoder = ClefEncoder.from_folder(self.folder, max_length, question_ids)
         self.images, self.images_refused = None, "this decider was built without the release's vision tower"
-        return self
 
     def encode(self, request: dict[str, Any]) -> EncodedRecord:
         """Ids and spans of a request; its pictures decoded and preprocessed (slow: not on the event loop)."""

@@ -307,6 +307,17 @@ class EngineBackend:
         record, inputs = self._prepare(decider, body)
         return self._submit(engine, body, record, self.config.raw_probabilities, inputs)
 
+    @staticmethod
+    def _encode(decider: ClefDecider, body: dict[str, Any]) -> EncodedRecord:
+        try:
+            return decider.encode(body)
+        except RequestError as exc:
+            if exc.error_type != "tokens_exceeded":
+                raise
+            # the reference's message, and the flag that raises the limit
+            message = f"{exc.message} (this server's --max-length)"
+            raise RequestError(message, exc.status, exc.error_type) from None
+
     async def stop(self) -> None:
         """After the server has drained (uvicorn waits up to --shutdown-grace-s for in-flight requests):
         stop the engine; sequences still in it fail with EngineClosedError."""
@@ -326,16 +337,9 @@ class EngineBackend:
         if engine is None or decider is None or engine.closed or failure is not None:
             raise RequestError(f"the model is not ready: {failure or self._reason}", 503, "unavailable")
         audited = self._audit_sample()
-        try:
-            # decoding and preprocessing run in a worker thread, the vision tower on the engine's thread
-            # at admission: never on the event loop
-            record, inputs = await asyncio.to_thread(self._prepare, decider, body, audited)
-        except RequestError as exc:
-            if exc.error_type != "tokens_exceeded":
-                raise
-            # the reference's message, and the flag that raises the limit
-            message = f"{exc.message} (this server's --max-length)"
-            raise RequestError(message, exc.status, exc.error_type) from None
+        # decoding and preprocessing run in a worker thread, the vision tower on the engine's thread at
+        # admission: never on the event loop
+        record, inputs = await asyncio.to_thread(self._prepare, decider, body, audited)
         try:
             future = self._submit(engine, body, record, self.config.raw_probabilities, inputs,
                                   request_id if audited else None)
@@ -362,7 +366,7 @@ class EngineBackend:
     @classmethod
     def _prepare(cls, decider: ClefDecider, body: dict[str, Any],
                  keep_pixels: bool = False) -> tuple[EncodedRecord, InputsProvider | None]:
-        return cls._provide(decider, decider.encode(body), keep_pixels)
+        return cls._provide(decider, cls._encode(decider, body), keep_pixels)
 
     @staticmethod
     def _provide(decider: ClefDecider, record: EncodedRecord,
