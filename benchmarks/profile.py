@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     seconds["idle + untimed"] = max(0.0, wall - busy)
     tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
     latencies = sorted(result["latencies"])
-    print(f"# shape {args.shape}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), {args.threads} threads, concurrency {args.concurrency}, "
+    print(f"# shape {args.shape}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
+          f"{args.threads} threads, concurrency {args.concurrency}, "
           f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "
           f"prefix cache {'off' if args.no_prefix_cache else 'on'}")
     print(f"wall {wall:.2f} s, {len(latencies) / wall:.2f} req/s, {tokens / wall:.0f} computed tok/s, "
