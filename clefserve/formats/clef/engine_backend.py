@@ -257,11 +257,8 @@ class EngineBackend:
     def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool,
                 request_id: str | None = None) -> Any:
         """``request_id``: a client's request (None for the canaries), which the audit may sample."""
-        # prefix-cache resume points: after the fixed prefix, after the state (the same state asked
-        # other questions), and the whole record (an identical request)
-        points = (record.prefix_end, record.state_end, len(record.input_ids))
         return engine.submit(record.input_ids, payload=(body, record, raw, request_id),
-                             snapshot_points=points)
+                             snapshot_points=record.resume_points)
 
     def submit(self, body: dict[str, Any]) -> Future:
         """Encode a validated body and queue it without waiting (``clef-serve batch``, ``clefserve.ray``):

@@ -20,6 +20,12 @@ class EncodedQuestion:
     option_ids: tuple[str, ...]
 
 
+# A state shorter than this is cheaper to compute again than to end an engine step at: a step over a few
+# tokens costs about what one over a hundred does (every weight is read once per step), and a request alone
+# in the engine would pay that step on every record.
+MIN_STATE_SNAPSHOT_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class EncodedRecord:
     input_ids: tuple[int, ...]
@@ -32,3 +38,11 @@ class EncodedRecord:
     @property
     def num_options(self) -> int:
         return sum(len(q.option_ids) for q in self.questions)
+
+    @property
+    def resume_points(self) -> tuple[int, ...]:
+        """Where the prefix cache keeps a resume point: after the fixed prefix, after the state (the same
+        state asked other questions) unless it is shorter than ``MIN_STATE_SNAPSHOT_TOKENS``, and the whole
+        record (an identical request)."""
+        state = (self.state_end,) if self.state_end - self.prefix_end >= MIN_STATE_SNAPSHOT_TOKENS else ()
+        return (self.prefix_end, *state, len(self.input_ids))
