@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--prefill-chunk-size", type=int, default=1024)
     parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "fast", "reference"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_shape(args.shape, Path(tmp) / "release")
-        decider = ClefDecider(folder, DTYPES[args.dtype])
+        decider = ClefDecider(folder, DTYPES[args.dtype], kernels=args.kernels)
         config = EngineConfig(dtype=args.dtype, port=free_port(), max_num_seqs=args.max_num_seqs,
                               prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=1024,
                               prefix_cache=not args.no_prefix_cache)
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     seconds["idle + untimed"] = max(0.0, wall - busy)
     tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
     latencies = sorted(result["latencies"])
-    print(f"# shape {args.shape}, {args.dtype}, {args.threads} threads, concurrency {args.concurrency}, "
+    print(f"# shape {args.shape}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
+          f"{args.threads} threads, concurrency {args.concurrency}, "
           f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "
           f"prefix cache {'off' if args.no_prefix_cache else 'on'}")
     print(f"wall {wall:.2f} s, {len(latencies) / wall:.2f} req/s, {tokens / wall:.0f} computed tok/s, "

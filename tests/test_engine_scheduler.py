@@ -43,11 +43,20 @@ def test_budget_goes_to_the_shortest_remaining_work_and_long_records_are_chunked
     assert all(sum(n for _, n in step) <= 16 for step in steps)
     # short records first; beside them the long one gets at most a quarter of the budget
     assert steps[0] == [("b", 3), ("a", 5), ("long", 4)]
-    assert steps[1] == [("c", 16)]  # no short record: c (20 left) goes before long (36 left)
+    assert steps[1] == [("c", 16)]  # no short record (c: 20 left > the budget): c goes before long (36 left)
     assert steps[2] == [("c", 4), ("long", 4)]
     assert steps[3:] == [[("long", 16)], [("long", 16)]]
     assert finished == ["b", "a", "c", "long"]
     assert scheduler.blocks.num_free == 64 and scheduler.slots.num_free == 3
+
+
+def test_a_record_that_fits_in_one_budget_keeps_its_step_short():
+    scheduler = _scheduler(budget=16)
+    for n, name in [(40, "long"), (10, "s")]:
+        scheduler.add(_seq(n, name))
+    steps, finished = _drain(scheduler)
+    assert steps[0] == [("s", 10), ("long", 4)]  # not 6: the long record shares only a quarter beside s
+    assert finished == ["s", "long"]
 
 
 def test_a_long_record_is_never_passed_over_more_than_the_starvation_limit():

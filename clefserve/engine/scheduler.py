@@ -5,7 +5,7 @@
 - At most ``max_num_seqs`` running. All blocks are reserved at admission, so prefill never preempts.
 - Each step spends ``token_budget`` tokens over the running sequences, shortest remaining work first, so a
   short record is not stuck behind a long one; a long record runs as several chunks. While a short record
-  (at most half the budget left) runs, long records share at most a quarter of the budget, so the steps a
+  (at most one budget left) runs, long records share at most a quarter of the budget, so the steps a
   short record waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps
   in a row goes first (oldest first), so none starves.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
@@ -124,9 +124,10 @@ class Scheduler:
             del self.waiting[i]
         budget = self.token_budget
         order = self._by_priority()
-        short = max(1, budget // 2)
-        # while a short record runs, long records get at most a quarter of the budget: the step stays short,
-        # so the short one answers after a short step instead of after a full one
+        short = budget
+        # while a short record (one that could finish within a step's budget) runs, long records get at most
+        # a quarter of the budget: its steps stay short, so it answers after a few short steps (one per
+        # snapshot point) instead of after as many full ones
         long_left = budget // 4 if any(seq.num_pending <= short for seq in order) else budget
         for seq in order:
             is_long = seq.num_pending > short

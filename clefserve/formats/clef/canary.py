@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from clefserve.formats.clef.records import EncodedRecord
+from clefserve.formats.clef.records import MIN_STATE_SNAPSHOT_TOKENS, EncodedRecord
 from clefserve.model.ops import reference_ops
 
 log = logging.getLogger(__name__)
@@ -137,15 +137,28 @@ def long_canary(encode: Callable[[dict[str, Any]], EncodedRecord], chunk_tokens:
     return Canary("long", _long_request(chars), record), splits
 
 
+def shared_state(encode: Callable[[dict[str, Any]], EncodedRecord]) -> dict[str, Any]:
+    """The shared canaries' state: short, but long enough in this tokenizer for the serving path to keep a
+    resume point at its end (``MIN_STATE_SNAPSHOT_TOKENS``), so that ``shared-b`` resumes from it."""
+    state = dict(_SHORT_STATE)
+    for _ in range(64):
+        record = encode({"model": "canary", "state": state, "questions": _SHARED_B_QUESTIONS})
+        if record.state_end - record.prefix_end >= MIN_STATE_SNAPSHOT_TOKENS:
+            break
+        state["message"] += " The second charge appeared on the next statement as well."
+    return state
+
+
 def build_canaries(encode: Callable[[dict[str, Any]], EncodedRecord], chunk_tokens: int,
                    max_tokens: int, images: bool = False) -> tuple[list[Canary], bool]:
     """The canaries in the order they are submitted (the long one first, so the engine gives it whole
     chunks; with ``images``, the ones with pictures last); and whether the long one's state spans two
     chunks."""
     long, splits = long_canary(encode, chunk_tokens, max_tokens)
+    state = shared_state(encode)
     shared = [
-        {"model": "canary", "state": _SHORT_STATE, "questions": _SHARED_A_QUESTIONS},
-        {"model": "canary", "state": _SHORT_STATE, "questions": _SHARED_B_QUESTIONS},
+        {"model": "canary", "state": state, "questions": _SHARED_A_QUESTIONS},
+        {"model": "canary", "state": state, "questions": _SHARED_B_QUESTIONS},
     ]
     named = [*zip(("shared-a", "shared-b"), shared, strict=True),
              *(image_canary_requests() if images else ())]

@@ -287,14 +287,11 @@ class EngineBackend:
                 inputs: InputsProvider | None = None, request_id: str | None = None) -> Any:
         """``inputs``: what computes the pictures' rows at admission; ``request_id``: a client's request
         sampled for the live audit (None otherwise)."""
-        # prefix-cache resume points: after the fixed prefix, after the pictures (the same pictures with
-        # another state), after the state (the same state asked other questions), and the whole record
-        points = (record.prefix_end, record.state_start, record.state_end, len(record.input_ids))
         keys = None
         if record.images and not os.environ.get(IMAGE_KEYS_FAULT_ENV):
             keys = record.cache_keys()
         return engine.submit(record.input_ids, payload=(body, record, raw, request_id),
-                             snapshot_points=points, inputs=inputs, cache_keys=keys)
+                             snapshot_points=record.resume_points, inputs=inputs, cache_keys=keys)
 
     def submit(self, body: dict[str, Any]) -> Future:
         """Encode a validated body and queue it without waiting (``clef-serve batch``, ``clefserve.ray``):

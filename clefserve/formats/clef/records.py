@@ -24,6 +24,12 @@ class EncodedQuestion:
     option_ids: tuple[str, ...]
 
 
+# A state shorter than this is cheaper to compute again than to end an engine step at: a step over a few
+# tokens costs about what one over a hundred does (every weight is read once per step), and a request alone
+# in the engine would pay that step on every record.
+MIN_STATE_SNAPSHOT_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class RecordImage:
     """One picture of a record: its ``<|image_pad|>`` span, patch grid and pixel digest."""
@@ -53,6 +59,16 @@ class EncodedRecord:
     @property
     def state_start(self) -> int:
         return self.prefix_end if self.media_end is None else self.media_end
+
+    @property
+    def resume_points(self) -> tuple[int, ...]:
+        """Where the prefix cache keeps a resume point: after the fixed prefix, after the pictures (the same
+        pictures with another state: they cost a vision-tower run as well as their tokens), after the state
+        (the same state asked other questions) unless it is shorter than ``MIN_STATE_SNAPSHOT_TOKENS``, and
+        the whole record (an identical request)."""
+        pictures = (self.state_start,) if self.state_start > self.prefix_end else ()
+        long_state = self.state_end - self.state_start >= MIN_STATE_SNAPSHOT_TOKENS
+        return (self.prefix_end, *pictures, *((self.state_end,) if long_state else ()), len(self.input_ids))
 
     def positions(self) -> torch.Tensor | None:
         """M-RoPE positions ``[3, len]`` of a record with pictures; None for text (positions = indexes)."""

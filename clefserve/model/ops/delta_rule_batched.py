@@ -1,4 +1,4 @@
-"""The chunked gated delta rule over every sequence of a step at once (the torch fast path).
+"""The chunked gated delta rule over every sequence of a step at once (torch fallback on a GPU without fla).
 
 Same arithmetic as :func:`clefserve.model.ops.delta_rule.chunk_gated_delta_rule` (chunks aligned to absolute
 positions, UT transform inside a chunk), arranged so that few, large batched matmuls do the work:
@@ -11,6 +11,9 @@ positions, UT transform inside a chunk), arranged so that few, large batched mat
 
 Layouts: chunk-major ``[chunks, HV, C, d]``, chunks in scan order (all sequences' first chunks, then the
 second chunks of those that have one, ...), so each scan step reads contiguous slices.
+
+On a GPU this turns one launch per chunk per sequence into one per chunk step. On a CPU the per-sequence form
+is faster (its per-chunk matmuls are already large), so the CPU path does not use this one.
 """
 
 from __future__ import annotations

@@ -86,9 +86,11 @@ def select_ops(
         return _cuda_ops(device, dtype, mode, shapes or OpShapes(), facts)
     if mode == "fast":
         return _interpreter_ops(dtype, facts)
-    ops = replace(reference_ops(), name="torch-fast", gated_delta_rule=chunk_gated_delta_rule_batched,
-                  causal_attention=attention.causal_attention_split_cpu)
-    why = "cpu: torch ops (fla's Triton kernels need a GPU, or --kernels fast under TRITON_INTERPRET=1)"
+    # The delta rule stays per sequence on a CPU: its per-chunk matmuls are already large there, and the
+    # step-batched form (which saves launches on a GPU without fla) measured slower (benchmarks/README.md).
+    ops = replace(reference_ops(), name="torch-fast", causal_attention=attention.causal_attention_split_cpu)
+    why = ("cpu: torch ops, attention split into history + causal block (fla's Triton kernels need a GPU, or "
+           "--kernels fast under TRITON_INTERPRET=1)")
     return replace(ops, reasons=(("all", why),))
 
 
