@@ -106,11 +106,22 @@ def serving_decider(folder: Path, config: EngineConfig, device: Any) -> Any:
     from clefserve.formats.clef.decider import ClefDecider
     from clefserve.model.ops.faults import ops_from_environment
     from clefserve.model.ops.select import describe
+    from clefserve.vision.inputs import ImageLimits
 
+    limits = ImageLimits(config.max_images, config.max_image_pixels, config.max_image_bytes)
     decider = ClefDecider(folder, config.torch_dtype, device, config.max_length, config.kernels,
-                          confidence=config.confidence, question_ids=config.question_ids)
+                          confidence=config.confidence, question_ids=config.question_ids, image_limits=limits,
+                          image_cache_bytes=config.image_cache_mb << 20)
     decider.backbone.set_ops(ops_from_environment(decider.backbone.config, decider.backbone.ops))
     log.info(describe(decider.backbone.ops, decider.backbone.device, config.torch_dtype))
+    if decider.images is not None:
+        tower, pre = decider.images.encoder.tower.config, decider.images.inputs.preprocessor
+        log.info("images: vision tower of %d blocks (width %d); up to %d per request, %d bytes and %d pixels "
+                 "each; resized to %d-%d pixels, %d pixels per token side; encoder cache %d MiB",
+                 tower.depth, tower.hidden_size, config.max_images, config.max_image_bytes,
+                 config.max_image_pixels, pre.min_pixels, pre.max_pixels, pre.factor, config.image_cache_mb)
+    else:
+        log.info("images: refused (%s)", decider.images_refused)
     return decider
 
 
@@ -155,16 +166,35 @@ def transformers_check(folder: Path, decider: Any, config: EngineConfig) -> list
     tolerance = 1e-3 if decider.backbone.dtype == torch.float32 else 1e-1
     problems = []
     with torch.inference_mode():
-        canaries, _ = build_canaries(decider.encode, config.prefill_chunk_size, config.max_length)
+        canaries, _ = build_canaries(decider.encode, config.prefill_chunk_size, config.max_length,
+                                     images=decider.takes_images)
         for i, canary in enumerate(canaries):
-            ids = torch.tensor(canary.record.input_ids)
-            ours, _ = decider.backbone.run_sequence(ids)
-            ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
+            record = canary.record
+            ids = torch.tensor(record.input_ids)
+            ours, _ = decider.backbone.run_sequence(ids, inputs=decider.inputs(record, fresh=True))
+            if record.images:  # the vision tower too: transformers' model with the pixels
+                ref = model.model(input_ids=ids[None].to(ours.device), use_cache=False,
+                                  **_transformers_media(record, ours.device)).last_hidden_state[0]
+            else:
+                ref = text(input_ids=ids[None].to(ours.device), use_cache=False).last_hidden_state[0]
             diff = (ours.float() - ref.float()).abs().max().item()
             if not diff <= tolerance * max(1.0, ref.float().abs().max().item()):
                 problems.append(f"canary {i + 1} ({canary.name}): hidden rows differ from transformers by "
                                 f"{diff:.3g}")
     return problems
+
+
+def _transformers_media(record: Any, device: Any) -> dict[str, Any]:
+    """A record's pictures as transformers' Qwen3.5 takes them (pixels, grids, token types)."""
+    import torch
+
+    pixels = torch.cat([torch.from_numpy(p.patches.pixels) for p in record.prepared_images])
+    grids = torch.tensor([p.patches.grid for p in record.prepared_images])
+    types = torch.zeros(1, len(record.input_ids), dtype=torch.long)
+    for image in record.images:
+        types[0, image.span.start : image.span.end] = 1
+    return {"pixel_values": pixels.to(device), "image_grid_thw": grids.to(device),
+            "mm_token_type_ids": types.to(device)}
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -39,6 +39,10 @@ class EngineConfig:
     prefix_cache_mb: int = 512
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    max_images: int = 4
+    max_image_bytes: int = 5 << 20
+    max_image_pixels: int = 40_000_000
+    image_cache_mb: int = 256
     raw_probabilities: bool = False
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
@@ -53,6 +57,13 @@ class EngineConfig:
     audit_fail_ready: int = 0
     audit_max_queue: int = 64
     audit_queue_mb: int = 64
+
+    @property
+    def image_body_bytes(self) -> int:
+        """What ``--max-images`` pictures of ``--max-image-bytes`` each add to a body, base64-encoded."""
+        from clefserve.vision.decode import max_text_length
+
+        return self.max_images * max_text_length(self.max_image_bytes)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -142,7 +153,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes",
         type=int,
         default=d.max_body_bytes,
-        help="larger request bodies get 413 (default: %(default)s)",
+        help="larger request bodies get 413, not counting the base64 images of a request (see --max-images) "
+        "(default: %(default)s)",
     )
     server.add_argument(
         "--max-questions",
@@ -166,6 +178,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="most levels of one score question (default: %(default)s, TypeSafe's limit)",
     )
+    images = parser.add_argument_group(
+        "images", "requests with images (releases with a vision tower); a body may hold --max-images "
+        "base64 images of --max-image-bytes each on top of --max-body-bytes")
+    images.add_argument("--max-images", type=int, default=d.max_images, metavar="N",
+                        help="images per request; more get 422 (default: %(default)s; 0 refuses images)")
+    images.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes, metavar="BYTES",
+                        help="largest image file (PNG, JPEG, WebP, GIF, BMP) before base64; larger ones get "
+                        "413 (default: %(default)s)")
+    images.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, metavar="PIXELS",
+                        help="largest picture, width x height as its header declares, refused (413) before "
+                        "decoding: decompression bombs never expand (default: %(default)s)")
+    images.add_argument("--image-cache-mb", type=int, default=d.image_cache_mb, metavar="MB",
+                        help="byte budget of the encoder cache: vision-tower rows of recent pictures, so a "
+                        "picture several requests share is encoded once; 0 turns it off "
+                        "(default: %(default)s)")
     server.add_argument("--x-raw-probabilities", dest="raw_probabilities", action="store_true",
                         help="add x_probabilities (unrounded fp32 probabilities) to each answer, for audits")
     server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],

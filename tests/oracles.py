@@ -50,10 +50,41 @@ def reference_tokenizer(folder: Path):
     )
 
 
+def reference_processor(folder: Path):
+    """transformers' ``Qwen3VLProcessor`` for a release with a ``preprocessor_config.json``, built without
+    torchvision (environment.md, "Images"): its constructor's type checks need the video processor
+    classes, so ``ProcessorMixin.__init__`` is bypassed while it is built; its image processor is the
+    PIL-backed ``Qwen2VLImageProcessorPil`` from the release's settings."""
+    quiet_transformers()
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    for key in ("image_processor_type", "processor_class"):
+        settings.pop(key, None)
+    image_processor = Qwen2VLImageProcessorPil(**settings)
+    video_stand_in = SimpleNamespace(merge_size=image_processor.merge_size,
+                                     temporal_patch_size=image_processor.temporal_patch_size)
+
+    def assign_only(self, image_processor=None, tokenizer=None, video_processor=None, chat_template=None,
+                    **_):
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.video_processor, self.chat_template = video_processor, chat_template
+
+    original = ProcessorMixin.__init__
+    ProcessorMixin.__init__ = assign_only
+    try:
+        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=reference_tokenizer(folder),
+                                video_processor=video_stand_in)
+    finally:
+        ProcessorMixin.__init__ = original
+
+
 def reference_clef(folder: Path, dtype: torch.dtype = torch.float32):
     """Cloudflare's ``ClefModel`` over transformers' backbone + the reference head, and a processor stand-in.
 
-    ``systemone(model, processor, request)`` only touches ``processor.tokenizer`` for text-only requests.
+    ``systemone(model, processor, request)`` only touches ``processor.tokenizer`` for text-only requests;
+    a release with a ``preprocessor_config.json`` gets the real image processor (``reference_processor``).
     """
     from safetensors.torch import load_file
 
@@ -62,4 +93,6 @@ def reference_clef(folder: Path, dtype: torch.dtype = torch.float32):
     head = ref.JointSchemaHead(**json.loads((folder / "joint_head_config.json").read_text()))
     head.load_state_dict(load_file(str(folder / "joint_head.safetensors")), strict=True)
     model = ref.ClefModel(backbone, head.to(dtype)).eval()
+    if (folder / "preprocessor_config.json").is_file():
+        return model, reference_processor(folder)
     return model, SimpleNamespace(tokenizer=reference_tokenizer(folder))

@@ -164,7 +164,9 @@ def test_schema_too_long(tokenizer_folders) -> None:
         ({"model": "m", "state": 1, "questions": {"q": {"type": "noul", "criteria": ["x"]}}},
          "noul criteria"),
         ({"model": "m", "state": 1, "questions": {"q": "noul"}}, "must be an object"),
-        ({"model": "m", "state": 1, "images": ["x"], "questions": {"q": {"type": "noul"}}}, "not supported"),
+        ({"model": "m", "state": 1, "images": ["x"], "questions": {"q": {"type": "noul"}}},
+         "does not take images"),
+        ({"model": "m", "state": 1, "videos": ["x"], "questions": {"q": {"type": "noul"}}}, "not supported"),
     ],
 )
 def test_refused_requests(tokenizer_folders, request_body: dict, fragment: str) -> None:

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from clefserve import cli
 from clefserve.config import EngineConfig
+from clefserve.vision.inputs import ImageLimits
 
 
 def test_help_describes_the_server_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,7 +63,8 @@ def recording_decider(release: Path) -> type:
         made: ClassVar[list[tuple[Any, ...]]] = []
 
         def __init__(self, *args: Any, **semantics: Any) -> None:
-            RecordingDecider.made.append(args)
+            RecordingDecider.made.append((*args, semantics.get("image_limits"),
+                                          semantics.get("image_cache_bytes")))
             super().__init__(release, torch.float32, "cpu", args[3], **semantics)
 
     return RecordingDecider
@@ -104,7 +106,8 @@ def test_serve_wires_decider_backend_and_uvicorn(tmp_path: Path, serve_in_proces
     assert (ran["host"], ran["port"]) == ("127.0.0.2", 9123)
     with TestClient(ran["app"]) as client:
         wait_ready(client)
-        assert decider.made[-1] == (folder, torch.bfloat16, torch.device("cpu"), 2048, "auto")
+        assert decider.made[-1] == (folder, torch.bfloat16, torch.device("cpu"), 2048, "auto",
+                                    ImageLimits(4, 40_000_000, 5 << 20), 256 << 20)
         assert client.get("/v1/models").status_code == 401
         models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
         assert models["models"][0]["name"] == "clef-flash"

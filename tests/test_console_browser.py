@@ -486,6 +486,29 @@ def test_picked_images_become_data_urls_with_thumbnails(browser: Browser, image_
     assert browser.errors() == []
 
 
+class VisionBackend(ImageBackend):
+    def stats(self) -> dict[str, Any]:
+        return {**ENGINE_STATS, "images_encoded": 12, "patches_encoded": 4800, "vision_seconds": 3.25,
+                "encoder_cache_hits": 6, "encoder_cache_misses": 2, "encoder_cache_evictions": 0,
+                "encoder_cache_bytes": 3 << 20, "encoder_cache_budget_bytes": 256 << 20}
+
+    def image_support(self) -> dict[str, Any]:
+        return {**super().image_support(), "max_body_bytes": 9 << 20}
+
+
+def test_the_vision_panel_shows_the_tower_and_its_encoder_cache(browser: Browser) -> None:
+    with in_process_server(VisionBackend(), EngineConfig()) as url:
+        open_console(browser, url)
+        browser.wait(lambda d: text_of(browser, "#vision-panel") is not None, timeout=10)
+        panel = text_of(browser, "#vision-panel")
+        assert "pictures encoded12" in panel and "patches4,800" in panel, panel
+        assert "encoder cache hit rate75.0%" in panel and "encoder cache hits · misses6 · 2" in panel, panel
+        # the picker's limit is the body limit with images, not --max-body-bytes
+        browser.wait(lambda d: "Up to 2 images" in text_of(browser, "#image-note"))
+        assert "(9.0 MiB per request)" in text_of(browser, "#image-note")
+        assert browser.errors() == []
+
+
 def test_screenshots_at_1280_and_390_pixels(browser: Browser, server: ServerProcess) -> None:
     shots = []
     try:

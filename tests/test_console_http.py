@@ -151,7 +151,7 @@ def test_status_is_documented_and_matches_its_schema(client: TestClient) -> None
     StatusResponse.model_validate(body)  # extra="forbid": the document names every field
     assert body["engine"] is None  # the fake backend has no engine
     assert "audit" not in body
-    assert body["images"] == {"supported": False, "reason": "this server does not accept images yet"}
+    assert body["images"] == {"supported": False, "reason": "the model takes no images"}
 
 
 ENGINE_STATS = dict.fromkeys(

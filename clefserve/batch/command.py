@@ -133,7 +133,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         questions = load_questions(args.questions) if args.questions is not None else None
         source = open_source(args.input, format_of(args.input, args.input_format), config.max_body_bytes,
-                             questions, args.model or name, args.state_columns, args.id_column)
+                             questions, args.model or name, args.state_columns, args.id_column,
+                             config.image_body_bytes if config.max_images > 0 else 0)
         output = open_output(args.output, out_format, args.fsync_interval_s)
         output.open(done)
     except (InputError, OutputError) as exc:

@@ -1,6 +1,7 @@
 """One input record of a batch: its id, its System One body, or the error the HTTP route would answer.
 
-A record is checked by the HTTP route's own code (``server/body.py``): the ``--max-body-bytes`` bound (413),
+A record is checked by the HTTP route's own code (``server/body.py``): the ``--max-body-bytes`` bound (413;
+a JSONL line with ``images`` may be larger by the images' allowance, as an HTTP body may),
 strict JSON parsing and ``validated_request`` (422 with FastAPI's ``detail[]``). Its error therefore has the
 status, message and detail a client of ``POST /v1/systemone`` would get for the same body.
 """
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from clefserve.errors import RequestError
-from clefserve.server.body import parse_json, too_large, validated_request
+from clefserve.server.body import WITH_IMAGES, check_text_size, parse_json, too_large, validated_request
 from clefserve.server.limits import RequestLimits
 
 ID_FIELD = "id"
@@ -74,13 +75,17 @@ def id_error(position: int, message: str) -> Item:
     return Item(position, position, error=error)
 
 
-def item_from_json(raw: bytes, position: int, limit: int) -> Item:
+def item_from_json(raw: bytes, position: int, limit: int, text_limit: int | None = None) -> Item:
     """A JSONL line: a ``/v1/systemone`` body with an optional ``id``; a line that cannot be read as one
-    (too long, not JSON, not an object, a bad id) keeps its position as id."""
+    (too long, not JSON, not an object, a bad id) keeps its position as id. ``limit`` bounds the line;
+    ``text_limit`` (--max-body-bytes, when ``limit`` makes room for images) bounds it without its images."""
     try:
         if len(raw) > limit:
-            raise too_large(limit)
+            raise too_large(limit, WITH_IMAGES if text_limit is not None and limit > text_limit
+                            else "--max-body-bytes")
         value = parse_json(raw)
+        if text_limit is not None:  # a line read for its images whose text is too long: as if unread
+            check_text_size(raw, value, text_limit)
     except HTTPException as exc:
         return Item(position, position, error=error_from_http(exc), size=len(raw))
     if isinstance(value, dict) and ID_FIELD in value:

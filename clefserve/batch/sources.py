@@ -1,9 +1,9 @@
 """Batch inputs, read as streams: JSONL (one ``/v1/systemone`` body per line), CSV and Parquet tables.
 
 Every source yields :class:`~clefserve.batch.records.Item` s one at a time and never holds more than one
-record (a CSV row, a JSONL line of at most ``--max-body-bytes``, a Parquet batch of ``PARQUET_BATCH_ROWS``
-rows). Positions count from 1: the line number of a JSONL file (blank lines count as lines but are no
-records), the row number of a table (the CSV header is not a row).
+record (a CSV row, a JSONL line of at most ``--max-body-bytes`` plus its images' allowance, a Parquet
+batch of ``PARQUET_BATCH_ROWS`` rows). Positions count from 1: the line number of a JSONL file (blank
+lines count as lines but are no records), the row number of a table (the CSV header is not a row).
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def require_pyarrow() -> Any:
 
 
 class JsonlSource:
-    def __init__(self, path: Path, max_bytes: int) -> None:
-        self.path, self.max_bytes = path, max_bytes
+    def __init__(self, path: Path, max_bytes: int, text_bytes: int | None = None) -> None:
+        """``max_bytes``: the longest line; ``text_bytes``: the longest without its ``images`` (when
+        ``max_bytes`` makes room for them)."""
+        self.path, self.max_bytes, self.text_bytes = path, max_bytes, text_bytes
 
     def count(self) -> int:
         n = 0
@@ -74,12 +76,12 @@ class JsonlSource:
                 position += 1
                 if not line.endswith(b"\n") and len(line) > self.max_bytes:
                     size = len(line) + _skip_line(f)
-                    error = error_from_http(too_large(self.max_bytes))
+                    error = item_from_json(line, position, self.max_bytes, self.text_bytes).error
                     yield Item(position, position, error=error, size=size)
                     continue
                 raw = line.rstrip(b"\r\n")
                 if raw.strip():
-                    yield item_from_json(raw, position, self.max_bytes)
+                    yield item_from_json(raw, position, self.max_bytes, self.text_bytes)
 
 
 def _skip_line(f: Any) -> int:
@@ -208,15 +210,17 @@ class ParquetSource(_TableSource):
 
 def open_source(
     path: Path, fmt: str, max_bytes: int, questions: dict[str, Any] | None, model: str,
-    state_columns: list[str] | None, id_column: str | None,
+    state_columns: list[str] | None, id_column: str | None, image_bytes: int = 0,
 ) -> Source:
+    """``max_bytes``: --max-body-bytes; ``image_bytes``: what a JSONL line may add for its ``images``
+    (table rows carry none)."""
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     if fmt == "jsonl":
         if questions is not None or state_columns or id_column:
             raise InputError("--questions, --state-column and --id-column are for CSV and Parquet inputs; "
                              "a JSONL line is a whole /v1/systemone body with an optional id")
-        return JsonlSource(path, max_bytes)
+        return JsonlSource(path, max_bytes + image_bytes, max_bytes if image_bytes else None)
     if questions is None:
         raise InputError(f"a {fmt.upper()} input needs --questions FILE.json (the questions asked of "
                          "every row)")

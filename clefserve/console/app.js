@@ -189,7 +189,8 @@ async function refreshStatus() {
     lastStatus = result.json;
     showServed(result.json);
     renderEngine(ui.engine, result.json);
-    images.configure(result.json.images, result.json.limits?.max_body_bytes);
+    // with images a body may pass --max-body-bytes by their allowance (images.max_body_bytes)
+    images.configure(result.json.images, result.json.images?.max_body_bytes ?? result.json.limits?.max_body_bytes);
     if (!ui.model.value) ui.model.value = result.json.model.name || "";
     if (!touched && result.json.model.name === DEMO_MODEL && exampleModel !== DEMO_MODEL) await loadDemoExample();
   } else if (result.status === 401) {

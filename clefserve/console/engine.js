@@ -102,6 +102,20 @@ export function renderEngine(container, status) {
         row("size", `${formatBytes(prefix.bytes)} of ${formatBytes(prefix.budget_bytes)}`),
         row("evictions", formatCount(prefix.evictions)))
       : el("p", { class: "muted", text: "off (--no-prefix-cache)" })));
+    const vision = engine.vision;
+    if (vision) {
+      const cache = vision.encoder_cache;
+      parts.push(el("section", { class: "panel-section", id: "vision-panel" }, el("h3", { text: "Vision tower" }),
+        el("dl", { class: "stats" },
+          row("pictures encoded", formatCount(vision.images_encoded), "stat-images-encoded"),
+          row("patches", formatCount(vision.patches_encoded)),
+          row("time in the tower", `${vision.encode_seconds.toFixed(1)} s`),
+          cache
+            ? [row("encoder cache hit rate", percent(cache.hit_rate), "stat-encoder-hit-rate"),
+              row("encoder cache hits · misses", `${formatCount(cache.hits)} · ${formatCount(cache.misses)}`),
+              row("encoder cache size", `${formatBytes(cache.bytes)} of ${formatBytes(cache.budget_bytes)}`)]
+            : row("encoder cache", "off (--image-cache-mb 0)"))));
+    }
   } else {
     parts.push(section("Engine", el("p", { class: "muted", text: "the model is not loaded yet" })));
   }

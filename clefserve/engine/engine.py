@@ -30,6 +30,7 @@ from clefserve.engine.sequence import FinishedSequence, Sequence, Status
 from clefserve.engine.state_pool import StatePool
 from clefserve.errors import RequestError
 from clefserve.model.backbone import Backbone
+from clefserve.model.inputs import InputsProvider, SequenceInputs
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,17 @@ class Engine:
         payload: Any = None,
         keep_hidden: bool = True,
         snapshot_points: Iterable[int] | None = None,
+        inputs: SequenceInputs | InputsProvider | None = None,
+        cache_keys: list | None = None,
     ) -> Future:
         """Queue one sequence; the future resolves to ``finish``'s value for it.
 
         ``snapshot_points``: positions worth a prefix-cache resume point (a format's segment ends); the
         end of the prompt always is one. Points outside ``1..len`` are ignored.
+        ``inputs``: rows replacing some token embeddings and M-RoPE positions (pictures), or a provider the
+        worker calls at admission with the first position to compute; ``cache_keys``: one hashable per
+        token that the prefix cache compares instead of the ids (so the content of a picture, not just its
+        placeholder ids, decides a match). Both cover the whole sequence.
         Raises :class:`RequestError` at once for a record that can never run (413 ``tokens_exceeded``) or a
         full queue (429 ``overloaded``, :class:`~clefserve.engine.errors.QueueFullError`).
         """
@@ -127,8 +134,14 @@ class Engine:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise RequestError(f"token ids must lie in [0, {vocab})", 422, "invalid_request")
         n = int(ids.numel())
+        if cache_keys is not None and len(cache_keys) != n:
+            raise ValueError(f"cache_keys has {len(cache_keys)} entries for {n} tokens")
+        if isinstance(inputs, SequenceInputs) and inputs.positions is not None \
+                and inputs.positions.shape != (3, n):
+            raise ValueError(f"positions of shape {tuple(inputs.positions.shape)} for {n} tokens")
         points = {int(p) for p in (snapshot_points or ())} | {n}
-        seq = Sequence(ids, payload, keep_hidden, tuple(sorted(p for p in points if 0 < p <= n)))
+        seq = Sequence(ids, payload, keep_hidden, tuple(sorted(p for p in points if 0 < p <= n)), inputs,
+                       cache_keys)
         with self._lock:
             if self.closed:
                 raise EngineClosedError("the engine is shut down")

@@ -98,8 +98,8 @@ class Resume:
 class SeqPrefix:
     """A sequence's bookkeeping for the cache: its tokens and block keys, snapshot points still ahead."""
 
-    tokens: list[int]
-    keys: list[tuple[int, ...]]  # the token tuples of its full blocks
+    tokens: list  # token ids, or the sequence's cache keys
+    keys: list[tuple]  # the token tuples of its full blocks
     points: list[int] = field(default_factory=list)  # ascending; taken when num_computed reaches them
     resume: Resume | None = None
     parked_on: tuple[Sequence, int] | None = None  # waits for this running sequence to reach this point
@@ -128,7 +128,9 @@ class PrefixCache:
 
     def track(self, seq: Sequence) -> SeqPrefix:
         if seq.prefix is None:
-            tokens = seq.token_ids.tolist()
+            # the sequence's cache keys when it has them: a picture's tokens as (digest, index), so two
+            # pictures with equal placeholder ids never share blocks, snapshots or hidden rows
+            tokens = list(seq.cache_keys) if seq.cache_keys is not None else seq.token_ids.tolist()
             bs = self.block_size
             keys = [tuple(tokens[i : i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
             seq.prefix = SeqPrefix(tokens, keys)

@@ -9,6 +9,7 @@ from clefserve.engine.paged_cache import PagedCache, seq_slots
 from clefserve.engine.sequence import Sequence
 from clefserve.engine.state_pool import StatePool
 from clefserve.model.backbone import Backbone
+from clefserve.model.inputs import SequenceInputs
 from clefserve.model.layers import Batch
 
 
@@ -22,7 +23,11 @@ class ModelRunner:
 
     def prepare(self, seq: Sequence) -> None:
         """Per-sequence device tensors, made once at admission; a sequence resumed from the prefix cache
-        gets the cached hidden rows, GDN state and the K/V of its cut block copied in."""
+        gets the cached hidden rows, GDN state and the K/V of its cut block copied in. Inputs given as a
+        provider are computed here, from the first position that will run (the vision tower, for pictures
+        the prefix cache did not cover)."""
+        if callable(seq.inputs):
+            seq.inputs = seq.inputs(seq.num_computed)
         seq.block_table_tensor = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
         table = seq.block_table
         adjacent = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
@@ -58,7 +63,19 @@ class ModelRunner:
         """
         past = [seq.num_computed for seq, _ in chunks]
         ids = torch.cat([seq.token_ids[p : p + n] for (seq, n), p in zip(chunks, past, strict=True)])
-        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past))
+        mrope = None
+        inputs = [seq.inputs if isinstance(seq.inputs, SequenceInputs) else None for seq, _ in chunks]
+        if any(i is not None and i.positions is not None for i in inputs):
+            mrope = tuple(
+                i.positions_for(p, p + n) if i is not None and i.positions is not None else None
+                for i, (_, n), p in zip(inputs, chunks, past, strict=True)
+            )
+        embeds, row = [], 0
+        for i, (_, n), p in zip(inputs, chunks, past, strict=True):  # picture rows, also of part of one
+            if i is not None:
+                embeds.extend((row + offset, rows) for offset, rows in i.embeds_for(p, p + n))
+            row += n
+        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past), mrope=mrope)
         slots = []
         for (seq, n), p in zip(chunks, past, strict=True):
             assert seq.block_table_tensor is not None and seq.slot is not None
@@ -66,7 +83,7 @@ class ModelRunner:
                 seq_slots(p, n, seq.block_table_tensor, self.kv.block_size, seq.slot, seq.first_block)
             )
         cache = PagedCache(self.kv, self.states, self.attention_index, self.gdn_index, slots)
-        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache)
+        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache, embeds)
         start = 0
         for (seq, n), p in zip(chunks, past, strict=True):
             if seq.hidden is not None and p + n <= seq.hidden.shape[0]:

@@ -213,12 +213,21 @@ class Scheduler:
                 continue
             if seq.keep_hidden and not other.keep_hidden:
                 continue
-            common = _common_prefix(seq.token_ids, other.token_ids)
+            common = self._common_prefix(seq, other)
             for p in points:
                 if have < p <= common and p <= seq.num_tokens and (best is None or p > best[1]):
                     best = (other, p)
         info.parked_on = best
         return best is not None
+
+    def _common_prefix(self, a: Sequence, b: Sequence) -> int:
+        """Leading tokens the two sequences share, as the prefix cache compares them."""
+        if a.cache_keys is None and b.cache_keys is None:
+            return _common_prefix(a.token_ids, b.token_ids)
+        assert self.cache is not None
+        keys_a, keys_b = self.cache.track(a).tokens, self.cache.track(b).tokens
+        m = min(len(keys_a), len(keys_b))
+        return next((i for i in range(m) if keys_a[i] != keys_b[i]), m)
 
     def complete(self, plan: StepPlan) -> list[Sequence]:
         """Advance the step's sequences, snapshot those at a snapshot point; release and return those

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from clefserve.model.inputs import InputsProvider, SequenceInputs
+
 _ids = itertools.count()
 
 
@@ -34,6 +36,8 @@ class Sequence:
         payload: Any = None,
         keep_hidden: bool = True,
         snapshot_points: tuple[int, ...] = (),
+        inputs: SequenceInputs | InputsProvider | None = None,
+        cache_keys: list | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         # a CPU buffer with room to grow; only the first ``num_tokens`` entries are the sequence
@@ -62,6 +66,11 @@ class Sequence:
         self.snapshot_points = snapshot_points
         self.num_cached = 0
         self.prefix: Any = None
+        # pictures: rows replacing token embeddings and M-RoPE positions (None: text), or what computes
+        # them at admission; the prefix cache compares ``cache_keys`` instead of the token ids when given
+        # (a picture's tokens all share one id)
+        self.inputs: SequenceInputs | InputsProvider | None = inputs
+        self.cache_keys = cache_keys
 
     @property
     def token_ids(self) -> torch.Tensor:

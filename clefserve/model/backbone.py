@@ -7,8 +7,13 @@ from torch import nn
 
 from clefserve.model.cache import DenseCache, ForwardCache, SequenceState
 from clefserve.model.config import BackboneConfig
+from clefserve.model.inputs import SequenceInputs
 from clefserve.model.layers import Batch, DecoderLayer, Linear, RMSNorm
 from clefserve.model.ops import Ops, reference_ops
+from clefserve.model.ops.rope import mrope_tables
+
+# (first row in the step's flat rows, rows): input rows that replace the token embeddings there
+Embeds = list[tuple[int, torch.Tensor]]
 
 
 class Backbone(nn.Module):
@@ -46,31 +51,64 @@ class Backbone(nn.Module):
             if hasattr(module, "ops"):
                 module.ops = ops
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: ForwardCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, batch: Batch, cache: ForwardCache, embeds: Embeds | None = None
+    ) -> torch.Tensor:
         """Run the new tokens ``input_ids [N]`` of the batch's sequences; return final-norm hidden rows.
 
-        The caller's ``cache`` supplies and receives each sequence's state (see ``clefserve.model.cache``).
+        The caller's ``cache`` supplies and receives each sequence's state (see ``clefserve.model.cache``);
+        ``embeds`` replace the embeddings of some rows (pictures), ``batch.mrope`` gives their positions.
         """
         x = self.embed_tokens(input_ids)
-        positions = batch.positions(input_ids.device)
-        rope = self.ops.rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        for row, values in embeds or ():
+            x[row : row + values.shape[0]] = values.to(device=x.device, dtype=x.dtype)
+        rope = self._rope(batch, input_ids.device, x.dtype)
         for layer in self.layers:
             x = layer(x, batch, rope, cache)
         return self.norm(x)
+
+    def _rope(
+        self, batch: Batch, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.config
+        if batch.mrope is None or all(p is None for p in batch.mrope):
+            return self.ops.rope_tables(batch.positions(device), config.rotary_dim, config.rope_theta, dtype)
+        # sequence by sequence, so a text sequence's tables never depend on what it is batched with
+        tables = []
+        for (n, past), positions in zip(zip(batch.seq_lens, batch.past_lens, strict=True), batch.mrope,
+                                        strict=True):
+            if positions is None:
+                tables.append(self.ops.rope_tables(torch.arange(past, past + n, device=device),
+                                                   config.rotary_dim, config.rope_theta, dtype))
+            else:
+                tables.append(mrope_tables(positions.to(device), config.rotary_dim, config.rope_theta,
+                                           config.mrope_section, dtype))
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     @torch.inference_mode()
     def run_sequence(
-        self, input_ids: torch.Tensor, state: SequenceState | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: SequenceState | None = None,
+        inputs: SequenceInputs | None = None,
     ) -> tuple[torch.Tensor, SequenceState]:
         """Continue one sequence from ``state`` (a fresh one when None) by ``input_ids [T]``.
 
-        Returns the hidden rows of the new tokens and the sequence's state after them (updated in place).
+        ``inputs``: picture rows and M-RoPE positions of the whole sequence (the piece run here is cut
+        from them). Returns the hidden rows of the new tokens and the sequence's state after them
+        (updated in place).
         """
         state = state if state is not None else SequenceState()
-        batch = Batch(seq_lens=(int(input_ids.shape[0]),), past_lens=(state.length,))
-        hidden = self.forward(input_ids.to(self.device), batch, DenseCache([state]))
-        state.length += int(input_ids.shape[0])
+        start, n = state.length, int(input_ids.shape[0])
+        mrope = None
+        embeds = None
+        if inputs is not None:
+            mrope = (inputs.positions_for(start, start + n),) if inputs.positions is not None else None
+            embeds = inputs.embeds_for(start, start + n)
+        batch = Batch(seq_lens=(n,), past_lens=(start,), mrope=mrope)
+        hidden = self.forward(input_ids.to(self.device), batch, DenseCache([state]), embeds)
+        state.length += n
         return hidden, state

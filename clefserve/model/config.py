@@ -42,6 +42,10 @@ class BackboneConfig:
     # where the text weights live in the checkpoint ("model.language_model." or "model.")
     weight_prefix: str
     architecture: str
+    # M-RoPE: how many of the rotary_dim / 2 frequencies follow the time, height and width position rows
+    # (interleaved: frequency i follows height when i % 3 == 1 and i < 3 * sections[1], width when
+    # i % 3 == 2 and i < 3 * sections[2], time otherwise). Only pictures make the three rows differ.
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def rotary_dim(self) -> int:
@@ -119,6 +123,11 @@ class BackboneConfig:
         if rope_type != "default":
             raise ReleaseError(f"unsupported rope_type {rope_type!r}; only 'default' is implemented")
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        sections = rope.get("mrope_section", [11, 11, 10])
+        if not (isinstance(sections, list | tuple) and len(sections) == 3
+                and all(isinstance(n, int) and n >= 0 for n in sections)):
+            raise ReleaseError(f"config.json: rope_parameters.mrope_section must be 3 counts, got "
+                               f"{sections!r}")
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         tie = bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         if text.get("hidden_act", "silu") != "silu":
@@ -147,6 +156,7 @@ class BackboneConfig:
             tie_word_embeddings=tie,
             weight_prefix="model.language_model." if nested else "model.",
             architecture=architecture,
+            mrope_section=(int(sections[0]), int(sections[1]), int(sections[2])),
         )
         config.validate()
         return config

@@ -20,10 +20,15 @@ from clefserve.model.ops import Ops, gemm
 
 @dataclass(frozen=True)
 class Batch:
-    """Where each sequence's new tokens sit in the flat rows, and how many tokens it had before."""
+    """Where each sequence's new tokens sit in the flat rows, and how many tokens it had before.
+
+    ``mrope``: per sequence, the M-RoPE positions ``[3, n]`` of its new tokens (a record with pictures),
+    or None where the positions are the token indexes; None for the whole batch when all are text.
+    """
 
     seq_lens: tuple[int, ...]
     past_lens: tuple[int, ...]
+    mrope: tuple[torch.Tensor | None, ...] | None = None
 
     def spans(self) -> list[tuple[int, int, int]]:
         """``(seq, start_row, end_row)`` per sequence."""

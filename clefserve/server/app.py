@@ -22,7 +22,15 @@ from clefserve.errors import RequestError
 from clefserve.server import workers_ai
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend, question_types
-from clefserve.server.body import decode_body, parse_json, read_body, validated_request
+from clefserve.server.body import (
+    WITH_IMAGES,
+    check_text_size,
+    decode_body,
+    parse_json,
+    read_body,
+    too_large,
+    validated_request,
+)
 from clefserve.server.console import add_console_routes
 from clefserve.server.draining import CancelledRequestGuard
 from clefserve.server.errors import error_detail, from_request_error, routing_error
@@ -50,7 +58,9 @@ DESCRIPTION = (
 PARSE_IN_THREAD_BYTES = 64 * 1024
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (only with --api-key)"},
-    413: {"model": ErrorResponse, "description": "Body larger than --max-body-bytes"},
+    413: {"model": ErrorResponse,
+          "description": "Body larger than --max-body-bytes (not counting images), an image larger than "
+                         "--max-image-bytes or --max-image-pixels"},
     415: {"model": ErrorResponse, "description": "Unsupported Content-Encoding or multipart body"},
     422: {"model": HTTPValidationError,
           "description": "Malformed JSON or an invalid request; loc names the field"},
@@ -99,17 +109,31 @@ def model_list(cards: list[dict[str, Any]], extra: dict[str, Any] | None = None)
     return {"models": cards, "object": "list", "data": data}
 
 
-async def _read_request(request: Request, config: EngineConfig) -> Any:
+def body_limit(config: EngineConfig, backend: DecisionBackend) -> int:
+    """--max-body-bytes, plus room for --max-images base64 images unless the model takes none."""
+    takes_images = getattr(backend, "takes_images", None)
+    if config.max_images <= 0 or (takes_images is not None and takes_images() is False):
+        return config.max_body_bytes
+    return config.max_body_bytes + config.image_body_bytes
+
+
+async def _read_request(request: Request, config: EngineConfig, limit: int) -> Any:
     content_type = request.headers.get("content-type", "")
     if content_type.lower().startswith("multipart/"):
         raise HTTPException(415, error_detail(
             "multipart bodies (image assets) are not supported: send the request as application/json",
             "invalid_request"))
-    raw = await read_body(request.stream(), request.headers.get("content-length"), config.max_body_bytes)
-    raw = decode_body(raw, request.headers.get("content-encoding"), config.max_body_bytes)
+    what = "--max-body-bytes" if limit == config.max_body_bytes else WITH_IMAGES
+    raw = await read_body(request.stream(), request.headers.get("content-length"), limit, what)
+    raw = decode_body(raw, request.headers.get("content-encoding"), limit, what)
+    if len(raw) > config.max_body_bytes and b'"images"' not in raw:  # no images: refuse before parsing
+        raise too_large(config.max_body_bytes)
     if len(raw) > PARSE_IN_THREAD_BYTES:  # a 1 MiB body takes ~0.2 s to parse and check
-        return await run_in_threadpool(parse_json, raw)
-    return parse_json(raw)
+        body = await run_in_threadpool(parse_json, raw)
+    else:
+        body = parse_json(raw)
+    check_text_size(raw, body, config.max_body_bytes)
+    return body
 
 
 def _describe_semantics(components: dict[str, Any], config: EngineConfig) -> None:
@@ -185,7 +209,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         """The System One handler every decision route calls: body intake, validation, limits, the
         backend, the JSON answer. A route shaped like another service passes ``adapt`` (applied to the
         parsed body first) and ``wrap`` (applied to the answer)."""
-        body = await _read_request(request, config)
+        body = await _read_request(request, config, body_limit(config, backend))
         if adapt is not None:
             body = adapt(body)
         validated_request(body, limits, question_types(backend))

@@ -27,12 +27,13 @@ class _Rejected(ValueError):
     """A JSON text that parses but that this server refuses (raised from the json hooks)."""
 
 
-def too_large(limit: int) -> HTTPException:
-    return HTTPException(413, {"message": f"request body is larger than {limit} bytes (--max-body-bytes)",
+def too_large(limit: int, what: str = "--max-body-bytes") -> HTTPException:
+    return HTTPException(413, {"message": f"request body is larger than {limit} bytes ({what})",
                                "error_type": "request_too_large"})
 
 
-async def read_body(stream: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
+async def read_body(stream: AsyncIterator[bytes], content_length: str | None, limit: int,
+                    what: str = "--max-body-bytes") -> bytes:
     """The raw body, refused with 413 as soon as the declared or the received size passes ``limit``."""
     if content_length is not None:
         try:
@@ -41,23 +42,24 @@ async def read_body(stream: AsyncIterator[bytes], content_length: str | None, li
             raise HTTPException(400, {"message": "Content-Length is not an integer",
                                       "error_type": "invalid_request"}) from None
         if declared > limit:
-            raise too_large(limit)
+            raise too_large(limit, what)
     chunks: list[bytes] = []
     size = 0
     async for chunk in stream:
         size += len(chunk)
         if size > limit:  # a chunked body, or one longer than it declared
-            raise too_large(limit)
+            raise too_large(limit, what)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
+def decode_body(raw: bytes, content_encoding: str | None, limit: int,
+                what: str = "--max-body-bytes") -> bytes:
     try:
         return decode_content(raw, content_encoding, limit)
     except ContentDecodingError as exc:
         if exc.too_large:
-            raise too_large(limit) from None
+            raise too_large(limit, what) from None
         raise HTTPException(exc.status, {"message": str(exc), "error_type": "invalid_request"}) from None
 
 
@@ -112,6 +114,24 @@ def parse_json(raw: bytes) -> Any:
         _json_error(str(exc))
     _check_tree(value)
     return value
+
+
+# What a body may add to --max-body-bytes for its images, in 413 messages.
+WITH_IMAGES = "--max-body-bytes plus --max-images images of --max-image-bytes in base64"
+
+
+def check_text_size(raw: bytes, body: Any, max_body_bytes: int) -> None:
+    """``max_body_bytes`` (--max-body-bytes) bounds the body without its images (each image is bounded on
+    its own): a 413 otherwise."""
+    if len(raw) <= max_body_bytes:
+        return
+    images = body.get("images") if isinstance(body, dict) else None
+    strings = [entry for entry in images if isinstance(entry, str)] if isinstance(images, list) else []
+    # an encoder may escape "/" as "\/": allow for it rather than count a picture's bytes as text
+    text = len(raw) - sum(len(s) + s.count("/") for s in strings)
+    if text > max_body_bytes:
+        raise too_large(max_body_bytes, "--max-body-bytes, not counting the images" if strings
+                        else "--max-body-bytes")
 
 
 def validated_request(

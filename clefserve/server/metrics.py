@@ -25,6 +25,9 @@ Names (all prefixed ``clef_``):
   ``clef_model_ready`` (1 once the model serves); ``clef_nonfinite_outputs_total``: records refused because
   the model computed NaN/Inf for them (hidden rows or head logits; also counted as
   ``clef_request_errors_total{error_type="non_finite_output"}``, a 500).
+- vision (releases with a vision tower): ``clef_vision_images_encoded_total``, ``_patches_encoded_total``,
+  ``_encode_seconds_total``, and the encoder cache's ``clef_vision_encoder_cache_hits_total`` /
+  ``_misses_total`` / ``_evictions_total`` / ``_bytes`` / ``_budget_bytes``.
 - live audit (at scrape time, from ``stats()["audit"]``):
   ``clef_audit_total{result="match|mismatch|skipped"}``, ``clef_audit_max_probability_difference``
   (histogram of the largest option difference per audited request), ``clef_audit_queued`` (samples waiting
@@ -173,8 +176,31 @@ class EngineCollector:
         for outcome in ("finished", "cancelled", "failed", "rejected"):
             outcomes.add_metric([outcome], s[outcome])
         yield outcomes
+        if "images_encoded" in s:  # a release with a vision tower
+            yield from _vision_metrics(s)
         if "audit" in s:
             yield from audit_metrics(s["audit"])
+
+
+def _vision_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    yield CounterMetricFamily("clef_vision_images_encoded", "Pictures run through the vision tower",
+                              value=s["images_encoded"])
+    yield CounterMetricFamily("clef_vision_patches_encoded", "Patches run through the vision tower",
+                              value=s["patches_encoded"])
+    yield CounterMetricFamily("clef_vision_encode_seconds", "Time spent in the vision tower",
+                              value=s["vision_seconds"])
+    if "encoder_cache_hits" in s:
+        yield CounterMetricFamily("clef_vision_encoder_cache_hits",
+                                  "Pictures whose tower rows came from the encoder cache",
+                                  value=s["encoder_cache_hits"])
+        yield CounterMetricFamily("clef_vision_encoder_cache_misses", "Pictures the encoder cache lacked",
+                                  value=s["encoder_cache_misses"])
+        yield CounterMetricFamily("clef_vision_encoder_cache_evictions", "Encoder cache entries evicted",
+                                  value=s["encoder_cache_evictions"])
+        yield GaugeMetricFamily("clef_vision_encoder_cache_bytes", "Bytes the encoder cache holds",
+                                value=s["encoder_cache_bytes"])
+        yield GaugeMetricFamily("clef_vision_encoder_cache_budget_bytes", "The encoder cache's byte budget "
+                                "(--image-cache-mb)", value=s["encoder_cache_budget_bytes"])
 
 
 def audit_metrics(audit: dict[str, Any]) -> Iterator[Metric]:

@@ -197,9 +197,14 @@ class SystemOneRequest(BaseModel):
                     f"{MAX_QUESTIONS}), with non-empty ids; ids are echoed as answer keys.",
         min_length=MIN_QUESTIONS, json_schema_extra={"maxProperties": MAX_QUESTIONS},
     )
-    # Media inputs of the reference and of TypeSafe's API. This server reads text only, and answering an
-    # image question without its image would be a wrong answer, so they are refused rather than ignored.
-    images: SkipJsonSchema[Any] = None
+    images: list[str] | None = Field(
+        None,
+        description="Pictures the questions may refer to, as base64 or data:image/...;base64, URLs "
+                    "(PNG, JPEG, WebP, GIF first frame, BMP), up to --max-images (default 4); only for "
+                    "models with a vision tower. URLs and file paths are refused, never fetched or read.",
+    )
+    # Media inputs of the reference and of TypeSafe's API that this server does not read: answering a
+    # question about a video without the video would be a wrong answer, so they are refused.
     videos: SkipJsonSchema[Any] = None
     assets: SkipJsonSchema[Any] = None
 
@@ -212,12 +217,20 @@ class SystemOneRequest(BaseModel):
                 raise PydanticCustomError("empty_question_id", "question ids must be non-empty strings")
         return value
 
-    @field_validator("images", "videos", "assets", mode="before")
+    @field_validator("images", mode="before")
+    @classmethod
+    def _image_list(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, list):
+            raise PydanticCustomError(
+                "images_type", "images must be a list of base64 strings or data:image/...;base64, URLs")
+        return value
+
+    @field_validator("videos", "assets", mode="before")
     @classmethod
     def _no_media(cls, value: Any) -> Any:
         if value not in (None, [], {}):
             raise PydanticCustomError("media_unsupported",
-                                      "media inputs are not supported: this server reads text only")
+                                      "video and asset inputs are not supported; send pictures in images")
         return value
 
 

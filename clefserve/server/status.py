@@ -20,7 +20,7 @@ from clefserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-NO_IMAGES = {"supported": False, "reason": "this server does not accept images yet"}
+NO_IMAGES = {"supported": False, "reason": "the model takes no images"}
 
 
 class _Strict(BaseModel):
@@ -72,6 +72,22 @@ class PrefixCacheStatus(_Strict):
     evictions: int
 
 
+class EncoderCacheStatus(_Strict):
+    hits: int = Field(description="pictures whose vision-tower rows came from the cache")
+    misses: int
+    hit_rate: float | None = Field(description="hits / (hits + misses)")
+    bytes: int
+    budget_bytes: int = Field(description="--image-cache-mb")
+    evictions: int
+
+
+class VisionStatus(_Strict):
+    images_encoded: int = Field(description="pictures run through the vision tower")
+    patches_encoded: int
+    encode_seconds: float = Field(description="time spent in the vision tower")
+    encoder_cache: EncoderCacheStatus | None = Field(description="null when --image-cache-mb is 0")
+
+
 class EngineStatus(_Strict):
     running: int
     waiting: int
@@ -86,6 +102,8 @@ class EngineStatus(_Strict):
     steps: int
     sequences: dict[str, int] = Field(description="finished, cancelled, failed, rejected")
     prefix_cache: PrefixCacheStatus | None = Field(description="null when the prefix cache is off")
+    vision: VisionStatus | None = Field(None, description="the vision tower and its encoder cache; null "
+                                        "for a model without one")
 
 
 class SecondPoint(_Strict):
@@ -118,6 +136,9 @@ class ImageSupport(_Strict):
     reason: str | None = Field(None, description="why not, when not supported")
     max_images: int | None = None
     max_image_bytes: int | None = None
+    max_image_pixels: int | None = None
+    max_body_bytes: int | None = Field(None, description="the largest body with images (--max-body-bytes "
+                                       "bounds the rest)")
 
 
 class Limits(_Strict):
@@ -183,6 +204,21 @@ def _engine(v: dict[str, float], config: EngineConfig) -> dict[str, Any] | None:
                   "bytes": n("clef_engine_prefix_cache_bytes"),
                   "budget_bytes": n("clef_engine_prefix_cache_budget_bytes"),
                   "evictions": n("clef_engine_prefix_cache_evictions_total")}
+    vision = None
+    if "clef_vision_images_encoded_total" in v:
+        cache = None
+        if "clef_vision_encoder_cache_bytes" in v:
+            hits = n("clef_vision_encoder_cache_hits_total")
+            misses = n("clef_vision_encoder_cache_misses_total")
+            cache = {"hits": hits, "misses": misses,
+                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+                     "bytes": n("clef_vision_encoder_cache_bytes"),
+                     "budget_bytes": n("clef_vision_encoder_cache_budget_bytes"),
+                     "evictions": n("clef_vision_encoder_cache_evictions_total")}
+        vision = {"images_encoded": n("clef_vision_images_encoded_total"),
+                  "patches_encoded": n("clef_vision_patches_encoded_total"),
+                  "encode_seconds": round(v.get("clef_vision_encode_seconds_total", 0.0), 3),
+                  "encoder_cache": cache}
     return {
         "running": n("clef_engine_running_sequences"),
         "waiting": n("clef_engine_waiting_sequences"),
@@ -199,6 +235,7 @@ def _engine(v: dict[str, float], config: EngineConfig) -> dict[str, Any] | None:
         "sequences": {o: n(f"clef_engine_sequences_total{{{o}}}")
                       for o in ("finished", "cancelled", "failed", "rejected")},
         "prefix_cache": prefix,
+        "vision": vision,
     }
 
 

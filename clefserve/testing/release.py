@@ -19,6 +19,59 @@ from clefserve.model.backbone import Backbone
 from clefserve.model.config import BackboneConfig
 from clefserve.model.weights import checkpoint_name
 from clefserve.testing.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+from clefserve.vision.config import VisionConfig
+from clefserve.vision.preprocess import PreprocessorConfig
+from clefserve.vision.tower import VisionTower
+
+
+@dataclass
+class VisionSpec:
+    """A small vision tower and the ``preprocessor_config.json`` that feeds it.
+
+    The position grid (``num_position_embeddings``) is smaller than most pictures' patch grids, so its
+    bilinear resampling is exercised; ``max_pixels`` keeps test pictures to a few hundred patches.
+    """
+
+    depth: int = 2
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_heads: int = 2
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 64
+    hidden_act: str = "gelu_pytorch_tanh"
+    min_pixels: int = 32 * 32 * 2
+    max_pixels: int = 32 * 32 * 48
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def config(self, out_hidden_size: int) -> dict:
+        return {
+            "model_type": "qwen3_5_vision",
+            "depth": self.depth,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "in_channels": 3,
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "spatial_merge_size": self.spatial_merge_size,
+            "num_position_embeddings": self.num_position_embeddings,
+            "hidden_act": self.hidden_act,
+            "out_hidden_size": out_hidden_size,
+        }
+
+    def preprocessor(self) -> PreprocessorConfig:
+        return PreprocessorConfig(
+            patch_size=self.patch_size,
+            temporal_patch_size=self.temporal_patch_size,
+            merge_size=self.spatial_merge_size,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+            image_mean=self.image_mean,
+            image_std=self.image_std,
+        )
 
 
 @dataclass
@@ -40,6 +93,11 @@ class ReleaseSpec:
     tokenizer_vocab: int = 640
     tie_word_embeddings: bool = False
     conditional_generation: bool = True
+    # None: a text-only release (a vision_config without model.visual.* tensors, as before images)
+    vision: VisionSpec | None = None
+    # M-RoPE sections (time, height, width) over the rotary_dim / 2 frequencies; None: split as Qwen3.5
+    # splits its 32 ([11, 11, 10])
+    mrope_section: list[int] | None = None
     head: dict | None = field(
         default_factory=lambda: {
             "hidden_size": 64,
@@ -73,7 +131,7 @@ class ReleaseSpec:
                 "rope_type": "default",
                 "rope_theta": self.rope_theta,
                 "partial_rotary_factor": self.partial_rotary_factor,
-                "mrope_section": [1, 1, 0],
+                "mrope_section": self.mrope_sections(),
                 "mrope_interleaved": True,
             },
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -86,6 +144,13 @@ class ReleaseSpec:
         else:
             text["full_attention_interval"] = 4
         return text
+
+    def mrope_sections(self) -> list[int]:
+        if self.mrope_section is not None:
+            return list(self.mrope_section)
+        frequencies = int(self.head_dim * self.partial_rotary_factor) // 2
+        share = math.ceil(frequencies / 3)
+        return [share, share, frequencies - 2 * share]
 
 
 def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -110,6 +175,31 @@ def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> to
     # Projections: 0.6/sqrt(fan_in) keeps each layer's change of the residual stream at 10-40% while the
     # network stays well conditioned enough for fp32 equality checks at the 1e-5 level.
     return normal(0.6 / math.sqrt(shape[-1]))
+
+
+def _random_vision_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    if "norm" in name:
+        return 1.0 + normal(0.2) if name.endswith("weight") else normal(0.1)
+    if name.endswith("bias"):
+        return normal(0.1)
+    if name == "pos_embed.weight":
+        return normal(0.5)
+    fan_in = math.prod(shape[1:])
+    if name == "merger.linear_fc2.weight":  # the rows that replace token embeddings (std 1)
+        return normal(1.5 / math.sqrt(fan_in))
+    return normal(0.6 / math.sqrt(fan_in))
+
+
+def vision_tensors(config: VisionConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random ``model.visual.*`` tensors for a tower of ``config``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        skeleton = VisionTower(config)
+    return {f"model.visual.{name}": _random_vision_weight(name, tuple(p.shape), gen)
+            for name, p in skeleton.named_parameters()}
 
 
 def backbone_tensors(config: BackboneConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -141,7 +231,8 @@ def release_config(spec: ReleaseSpec, tokenizer: Tokenizer) -> dict:
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "text_config": text,
-        "vision_config": {"depth": 1, "hidden_size": 32, "out_hidden_size": spec.hidden_size},
+        "vision_config": (spec.vision.config(spec.hidden_size) if spec.vision is not None
+                          else {"depth": 1, "hidden_size": 32, "out_hidden_size": spec.hidden_size}),
         "tie_word_embeddings": spec.tie_word_embeddings,
         "image_token_id": token_ids["<|image_pad|>"],
         "video_token_id": token_ids["<|video_pad|>"],
@@ -168,6 +259,14 @@ def build_release(
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     config = BackboneConfig.from_dict(raw)
     tensors = backbone_tensors(config, seed)
+    if spec.vision is not None:
+        if not spec.conditional_generation:
+            raise ValueError("a vision tower needs a ConditionalGeneration release")
+        vision = VisionConfig.from_release_config(raw, spec.hidden_size)
+        assert vision is not None
+        tensors.update(vision_tensors(vision, seed + 2))
+        (folder / "preprocessor_config.json").write_text(json.dumps(spec.vision.preprocessor().to_dict(),
+                                                                    indent=2))
     tensors.update(extra_tensors or {})
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
     _save_weights(folder, tensors, shards)
@@ -200,9 +299,12 @@ def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: bool = True) -> ReleaseSpec:
+def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: bool = True,
+                     vision: bool = False) -> ReleaseSpec:
     """Clef-flash's proportions at a small width: 3 GDN : 1 attention, GDN heads of 128 with twice as many
-    value heads as key heads, attention heads of 256 with 4 query heads per KV head, FFN 3x hidden."""
+    value heads as key heads, attention heads of 256 with 4 query heads per KV head, FFN 3x hidden.
+    ``vision``: a vision tower of Qwen3.5's shape at a small width (patch 16, merge 2, a 48 x 48 position
+    grid, heads of 64), taking pictures up to 1024 x 1024 pixels (256 tokens)."""
     units = max(1, hidden_size // 256)
     return ReleaseSpec(
         hidden_size=hidden_size,
@@ -217,6 +319,9 @@ def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: b
         head_dim=256,
         head={"hidden_size": hidden_size, "width": 128, "routing_layers": 2, "layers": 4, "heads": 4,
               "feedforward": 512} if head else None,
+        vision=VisionSpec(depth=4, hidden_size=128, intermediate_size=512, num_heads=2,
+                          num_position_embeddings=2304, min_pixels=64 * 64, max_pixels=1024 * 1024)
+        if vision else None,
     )
 
 
@@ -229,8 +334,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vision", action="store_true",
+                        help="add a small vision tower and a preprocessor_config.json (images in requests)")
     args = parser.parse_args(argv)
-    folder = build_release(args.folder, clef_shaped_spec(args.hidden, args.layers), seed=args.seed)
+    spec = clef_shaped_spec(args.hidden, args.layers, vision=args.vision)
+    folder = build_release(args.folder, spec, seed=args.seed)
     print(f"random Clef-shaped release written to {folder} (untrained: its answers mean nothing)")
 
 

@@ -13,6 +13,12 @@ choice; it was rejected because torch's intra-op threads and the device are shar
 would slow every live step, not only wait for idle time), and because the reference ops are swapped onto
 the shared backbone for the piece, which is only safe on the thread that runs the backbone.
 
+Requests with pictures are audited with their pictures: the sampled request keeps its preprocessed pixels
+(the coin is tossed when it is submitted, so only sampled requests hold them past admission), and the audit
+runs the vision tower afresh on them (never from the encoder cache), one picture per idle turn, before the
+backbone pieces; the pixels count in ``--audit-queue-mb``. A sampled record whose pixels are missing is
+skipped (``skipped_because["no_pixels"]``).
+
 The cost is the reference compute of the audited records (about the same as serving them unbatched, so
 ``--audit-fraction 0.01`` costs about 1% of the engine's time), and while a record is audited, its dense
 K/V and hidden rows (one record at a time). Under sustained full load there is no idle time: the queue
@@ -35,6 +41,7 @@ import torch
 from clefserve.formats.clef.answers import probabilities
 from clefserve.formats.clef.canary import TOLERANCE, using_reference_ops
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.inputs import SequenceInputs
 
 if TYPE_CHECKING:
     from clefserve.formats.clef.decider import ClefDecider
@@ -59,13 +66,17 @@ class AuditJob:
     done: int = 0  # tokens run through the reference backbone so far
     state: SequenceState | None = None
     hidden: list[torch.Tensor] = field(default_factory=list)
+    pictures: list[torch.Tensor] = field(default_factory=list)  # vision-tower rows, one picture a turn
+    inputs: SequenceInputs | None = None  # the pictures' rows and M-RoPE positions, once all are encoded
 
     @classmethod
     def of(cls, request_id: str, record: EncodedRecord, served: list[list[float]]) -> AuditJob:
         ids = torch.tensor(record.input_ids, dtype=torch.int32)
         options = sum(len(p) for p in served)
-        # what the queue holds for it: the ids, the probabilities and option ids, object overheads
-        nbytes = 4 * ids.numel() + 128 * options + 256 * len(served) + 512
+        # what the queue holds for it: the ids, the probabilities and option ids, the pictures' pixels,
+        # object overheads
+        pixels = sum(image.patches.pixels.nbytes for image in record.prepared_images)
+        nbytes = 4 * ids.numel() + 128 * options + 256 * len(served) + pixels + 512
         return cls(request_id, ids, replace(record, input_ids=()), served, nbytes)
 
 
@@ -137,6 +148,9 @@ class Auditor:
         samples make room and count as skipped (the newest traffic is the most telling)."""
         job = AuditJob.of(request_id, record, served)
         with self._lock:
+            if record.images and len(record.prepared_images) != len(record.images):
+                self._skip("no_pixels")
+                return
             if job.nbytes > self.max_queue_bytes:
                 self._skip("too_large")
                 return
@@ -179,20 +193,39 @@ class Auditor:
             self._seconds += time.perf_counter() - started
 
     def _advance(self, job: AuditJob) -> None:
+        if job.record.images and job.inputs is None:
+            self._encode_picture(job)
+            return
         backbone = self.decider.backbone
         total = job.ids.numel()
         piece = job.ids[job.done : job.done + self.piece_tokens].long()
         with using_reference_ops(backbone):
-            hidden, job.state = backbone.run_sequence(piece, job.state)
+            hidden, job.state = backbone.run_sequence(piece, job.state, job.inputs)
         job.hidden.append(hidden)
         job.done += piece.numel()
         if job.done < total:
             return
         record = replace(job.record, input_ids=tuple(job.ids.tolist()))
         rows = torch.cat(job.hidden)
-        job.hidden, job.state = [], None
+        job.hidden, job.state, job.inputs = [], None, None
         reference = probabilities(self.decider.logits([rows], [record])[0])
         self._conclude(job, reference)
+
+    def _encode_picture(self, job: AuditJob) -> None:
+        """The next picture through the vision tower, afresh; after the last one, the record's inputs."""
+        images = self.decider.images
+        assert images is not None, "a record with pictures on a release without a vision tower"
+        record = job.record
+        job.pictures.append(images.embed([record.prepared_images[len(job.pictures)]], use_cache=False)[0])
+        if len(job.pictures) < len(record.images):
+            return
+        ids_length = replace(record, input_ids=(0,) * job.ids.numel())  # positions need the length only
+        job.inputs = SequenceInputs(
+            embeds=tuple((image.span.start, rows) for image, rows in zip(record.images, job.pictures,
+                                                                          strict=True)),
+            positions=ids_length.positions())
+        job.pictures = []
+        job.record = replace(record, prepared_images=())  # the pixels are in the rows now
 
     def _conclude(self, job: AuditJob, reference: list[list[float]]) -> None:
         largest, wrong = 0.0, []

@@ -5,7 +5,7 @@ caught before traffic: the server runs these records batched, chunked and with t
 through its engine, then one piece at a time with the torch reference ops, and stays unready when any
 option probability differs by more than the dtype's tolerance. ``clef-serve verify`` runs the same check.
 
-Three canaries, sized in tokens from the engine's configuration, no larger than their coverage needs
+Three text canaries, sized in tokens from the engine's configuration, no larger than their coverage needs
 (every token runs twice, and on a 9B model on a CPU a token costs tens of milliseconds):
 
 1. ``long``: a state of one ``--prefill-chunk-size`` plus :data:`LONG_MARGIN_TOKENS`, so the engine splits
@@ -18,7 +18,15 @@ Three canaries, sized in tokens from the engine's configuration, no larger than 
 Between them every question type (noul, choice, score) and every kind of option description (text, null,
 a noul default, a noul override).
 
-All three run through the engine together (steps with several sequences), then one by one through the
+With a vision tower (``images=True``), three more carry two pictures each:
+
+4. ``image-a``: a photo and a chart with a state and questions;
+5. ``image-b``: another photo of the same size (the same token ids: a prefix cache keyed on ids alone would
+   answer it from ``image-a``) with the same state and questions;
+6. ``image-c``: ``image-a``'s pictures with other questions (the encoder cache and the prefix cache through
+   the pictures).
+
+All of them run through the engine together (steps with several sequences), then one by one through the
 reference path.
 
 What the engine actually did (the long canary's chunks, the tokens ``shared-b`` took from the cache) is read
@@ -27,6 +35,8 @@ back from the engine's step trace and logged, so a configuration that cannot exe
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import time
@@ -35,7 +45,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from clefserve.formats.clef.records import MIN_STATE_SNAPSHOT_TOKENS, EncodedRecord
 from clefserve.model.ops import reference_ops
@@ -138,17 +150,52 @@ def shared_state(encode: Callable[[dict[str, Any]], EncodedRecord]) -> dict[str,
 
 
 def build_canaries(encode: Callable[[dict[str, Any]], EncodedRecord], chunk_tokens: int,
-                   max_tokens: int) -> tuple[list[Canary], bool]:
+                   max_tokens: int, images: bool = False) -> tuple[list[Canary], bool]:
     """The canaries in the order they are submitted (the long one first, so the engine gives it whole
-    chunks); and whether the long one's state spans two chunks."""
+    chunks; with ``images``, the ones with pictures last); and whether the long one's state spans two
+    chunks."""
     long, splits = long_canary(encode, chunk_tokens, max_tokens)
     state = shared_state(encode)
     shared = [
         {"model": "canary", "state": state, "questions": _SHARED_A_QUESTIONS},
         {"model": "canary", "state": state, "questions": _SHARED_B_QUESTIONS},
     ]
-    return [long, *(Canary(name, r, encode(r)) for name, r in zip(("shared-a", "shared-b"), shared,
-                                                                     strict=True))], splits
+    named = [*zip(("shared-a", "shared-b"), shared, strict=True),
+             *(image_canary_requests() if images else ())]
+    return [long, *(Canary(name, r, encode(r)) for name, r in named)], splits
+
+
+def canary_picture(width: int, height: int, fmt: str, seed: int) -> str:
+    """A deterministic picture (gradients, a disc, a checkerboard) as a data URL."""
+    y, x = np.mgrid[0:height, 0:width]
+    rng = np.random.default_rng(seed)
+    cx, cy = rng.uniform(0.2, 0.8) * width, rng.uniform(0.2, 0.8) * height
+    disc = ((x - cx) ** 2 + (y - cy) ** 2) < (0.25 * min(width, height)) ** 2
+    checker = ((x // 8 + y // 8) % 2).astype(np.float64)
+    rgb = np.stack([255 * x / width, 255 * disc, 64 + 128 * checker * (y / height)], axis=-1)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb.astype(np.uint8), "RGB").save(buffer, fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def image_canary_requests() -> list[tuple[str, dict[str, Any]]]:
+    """The named canaries with pictures (see the module's docstring)."""
+    photo, other_photo = canary_picture(256, 192, "PNG", 1), canary_picture(256, 192, "PNG", 3)
+    chart = canary_picture(96, 160, "JPEG", 2)
+    questions = {
+        "damaged": {"type": "noul", "instructions": "Does the photo show a damaged parcel?"},
+        "kind": {"type": "choice", "instructions": "What does the first picture show?",
+                 "criteria": {"parcel": "A parcel", "receipt": "A receipt", "screenshot": None}},
+    }
+    state = {"channel": "email", "message": " ".join(_TICKET_LINES[:2]), "attachments": 2}
+    return [
+        ("image-a", {"model": "canary", "state": state, "questions": questions, "images": [photo, chart]}),
+        ("image-b", {"model": "canary", "state": state, "questions": questions,
+                     "images": [other_photo, chart]}),
+        ("image-c", {"model": "canary", "state": state, "images": [photo, chart],
+                     "questions": {"urgency": {"type": "score", "instructions": "How urgent is it?",
+                                               "criteria": ["Can wait", "Today", "Right now"]}}}),
+    ]
 
 
 def label(i: int, canaries: Sequence[Canary]) -> str:
@@ -185,13 +232,13 @@ def using_reference_ops(backbone: Any) -> Iterator[None]:
 
 
 def reference_answers(decider: Any, canaries: Sequence[Canary]) -> list[dict[str, Any]]:
-    """One record at a time in one piece, torch reference ops, progress logged; the serving ops are put
-    back afterwards."""
+    """One record at a time in one piece, torch reference ops, pictures encoded afresh (not from the encoder
+    cache), progress logged; the serving ops are put back afterwards."""
     answers = []
     with using_reference_ops(decider.backbone):
         for i, canary in enumerate(canaries):
             started = time.perf_counter()
-            answers += decider.decide_batch([canary.request], raw=True)
+            answers += decider.decide_batch([canary.request], raw=True, fresh_images=True)
             log.info("self-check %s, reference path: %d tokens in %.1f s", label(i, canaries), canary.tokens,
                      time.perf_counter() - started)
     return answers
@@ -217,7 +264,7 @@ class Coverage:
 def coverage(canaries: Sequence[Canary], served: Sequence[dict[str, Any]],
              steps: Sequence[Sequence[tuple[int, int]]], chunk_tokens: int) -> Coverage:
     """``steps``: the engine's ``((seq_id, tokens), ...)`` of each step the canaries ran in."""
-    long, _, shared_b = canaries
+    long, shared_b = canaries[0], canaries[2]
     computed = long.tokens - served[0]["usage"].get("x_cached_tokens", 0)
     runs: dict[int, list[tuple[int, bool]]] = {}  # per sequence: (tokens, the step used the whole budget)
     for step in steps:

@@ -9,16 +9,19 @@ from typing import Any
 import torch
 
 from clefserve.confidence import CONFIDENCE_MODES
-from clefserve.errors import NonFiniteError, all_finite
+from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
 from clefserve.formats.clef.head import load_head
 from clefserve.formats.clef.records import EncodedRecord
 from clefserve.model.backbone import Backbone
 from clefserve.model.device import DeviceFacts, check_dtype, device_facts
+from clefserve.model.inputs import SequenceInputs
 from clefserve.model.ops import gemm
 from clefserve.model.ops.select import OpShapes, select_ops
 from clefserve.model.weights import load_backbone
+from clefserve.vision.inputs import ImageLimits
+from clefserve.vision.release import ReleaseImages
 
 
 class ClefDecider:
@@ -32,15 +35,27 @@ class ClefDecider:
         *,
         confidence: str = "clef",
         question_ids: str = "prompt",
+        image_limits: ImageLimits | None = None,
+        image_cache_bytes: int = 256 << 20,
     ) -> None:
         """``kernels``: ``auto``/``fast`` picks the fastest ops for the device, ``reference`` the plain
         torch ops (:mod:`clefserve.model.ops.select`). ``confidence`` and ``question_ids``: the
         ``--confidence`` and ``--question-ids`` semantics (README "Semantics"); the defaults answer exactly as
-        Cloudflare's reference."""
+        Cloudflare's reference. ``image_limits``, ``image_cache_bytes``: requests with images, for a release
+        with a vision tower."""
         facts = device_facts(torch.device(device))
         check_dtype(facts, dtype)  # before loading: a V100 refuses bf16 at once
         backbone = load_backbone(Path(folder), dtype, device)
         self._assemble(folder, backbone, max_length, kernels, confidence, question_ids, facts)
+        # like the head, the vision tower computes in fp32 where low-precision GEMMs are slow
+        self.images, self.images_refused = ReleaseImages.load(
+            self.folder, self.encoder.vision_token_ids(), gemm.compute_dtype(backbone.device, dtype), device,
+            image_limits, image_cache_bytes,
+        )
+
+    @property
+    def takes_images(self) -> bool:
+        return self.images is not None
 
     @classmethod
     def with_backbone(cls, folder: str | Path, backbone: Backbone, max_length: int = DEFAULT_MAX_LENGTH,
@@ -63,9 +78,29 @@ class ClefDecider:
         head_dtype = gemm.compute_dtype(device, dtype)
         self.head = load_head(self.folder, head_dtype, device, hidden_size=backbone.config.hidden_size)
         self.encoder = ClefEncoder.from_folder(self.folder, max_length, question_ids)
+        self.images, self.images_refused = None, "this decider was built without the release's vision tower"
 
     def encode(self, request: dict[str, Any]) -> EncodedRecord:
-        return self.encoder.encode(request)
+        """Ids and spans of a request; its pictures decoded and preprocessed (slow: not on the event loop)."""
+        prepared = None
+        if request.get("images"):
+            if self.images is None:
+                raise RequestError(f"images: {self.images_refused}", error_type="unsupported")
+            prepared = self.images.prepare(request["images"])
+        return self.encoder.encode(request, prepared)
+
+    def inputs(self, record: EncodedRecord, fresh: bool = False, start: int = 0) -> SequenceInputs | None:
+        """What the backbone needs beyond the ids: the vision tower's rows for the pictures (from the
+        encoder cache when seen recently, unless ``fresh``) and the M-RoPE positions; None for a text
+        record. ``start``: the first position that will run; pictures wholly before it are not encoded."""
+        if not record.images:
+            return None
+        assert self.images is not None
+        pictures = zip(record.images, record.prepared_images, strict=True)
+        needed = [(image, prepared) for image, prepared in pictures if image.span.end > start]
+        rows = self.images.embed([prepared for _, prepared in needed], use_cache=not fresh)
+        embeds = tuple((image.span.start, r) for (image, _), r in zip(needed, rows, strict=True))
+        return SequenceInputs(embeds=embeds, positions=record.positions())
 
     @torch.inference_mode()
     def logits(self, hiddens: list[torch.Tensor], records: list[EncodedRecord]) -> list[list[torch.Tensor]]:
@@ -83,15 +118,18 @@ class ClefDecider:
         return build_response(request, record, logits, raw, cached_tokens, self.confidence)
 
     @torch.inference_mode()
-    def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False) -> list[dict[str, Any]]:
+    def decide_batch(self, requests: list[dict[str, Any]], raw: bool = False,
+                     fresh_images: bool = False) -> list[dict[str, Any]]:
         """Answer each request; the backbone runs record by record, the head once over the batch.
 
-        ``raw`` adds unrounded ``x_probabilities`` to every answer."""
+        ``raw`` adds unrounded ``x_probabilities`` to every answer; ``fresh_images`` encodes pictures
+        without the encoder cache."""
         if not requests:
             return []
         records = [self.encode(request) for request in requests]
         hiddens = [
-            self.backbone.run_sequence(torch.tensor(record.input_ids, dtype=torch.long))[0]
+            self.backbone.run_sequence(torch.tensor(record.input_ids, dtype=torch.long),
+                                       inputs=self.inputs(record, fresh_images))[0]
             for record in records
         ]
         if not all_finite(hiddens):

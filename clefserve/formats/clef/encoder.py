@@ -14,7 +14,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from clefserve.errors import ReleaseError, RequestError
-from clefserve.formats.clef.records import QUESTION_TYPES, EncodedQuestion, EncodedRecord
+from clefserve.formats.clef.records import QUESTION_TYPES, EncodedQuestion, EncodedRecord, RecordImage
+from clefserve.vision.inputs import PreparedImage
+from clefserve.vision.positions import ImageSpan
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -26,6 +28,9 @@ SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
 OPTIONS_HEADER = "\nALLOWED OPTIONS:\n"
 OPTION_END = "\n"
 FIELD_END = "END FIELD\n"
+# around each picture's <|image_pad|> tokens; after the last picture comes MEDIA_END
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+MEDIA_END = "\n"
 NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
@@ -108,7 +113,30 @@ class ClefEncoder:
         self._options_header = self._ids(OPTIONS_HEADER)
         self._option_end = self._ids(OPTION_END)
         self._field_end = self._ids(FIELD_END)
+        self._media_end = self._ids(MEDIA_END)
         self._option_labels: dict[int, tuple[int, ...]] = {}
+
+    def vision_token_ids(self) -> tuple[int | None, int | None, int | None]:
+        """Ids of <|vision_start|>, <|image_pad|>, <|vision_end|> (None where the tokenizer lacks one)."""
+        ids = tuple(self.tokenizer.token_to_id(t) for t in (VISION_START, IMAGE_PAD, VISION_END))
+        return ids  # type: ignore[return-value]
+
+    def _media(self, images: list[PreparedImage], start: int) -> tuple[list[int], list[RecordImage]]:
+        """The placeholders of ``images`` (as the reference's processor expands them) placed at ``start``."""
+        vision_start, pad, vision_end = self.vision_token_ids()
+        if vision_start is None or pad is None or vision_end is None:
+            raise RequestError("this model's tokenizer has no vision tokens: images are not supported",
+                               error_type="unsupported")
+        ids: list[int] = []
+        placed = []
+        for image in images:
+            ids.append(vision_start)
+            span = ImageSpan(start + len(ids), image.patches.grid, image.merge_size)
+            placed.append(RecordImage(span, image.digest))
+            ids.extend([pad] * image.num_tokens)
+            ids.append(vision_end)
+        ids.extend(self._media_end)
+        return ids, placed
 
     @classmethod
     def from_folder(
@@ -146,15 +174,30 @@ class ClefEncoder:
                     raise RequestError(f"request text is not valid Unicode: {exc.reason}") from exc
             raise
 
-    def encode(self, request: dict[str, Any]) -> EncodedRecord:
-        """Encode a validated ``/v1/systemone`` body (text only) into ids, spans and segment ends."""
+    def _check_pad_text(self, input_ids: list[int], placed: list[RecordImage]) -> None:
+        """With pictures, every <|image_pad|> token must be a picture's: the model puts the pictures' rows
+        on all of them in order (the reference fails on such a record), so "<|image_pad|>" written in the
+        state or a question is refused rather than given a picture's rows."""
+        pad = self.vision_token_ids()[1]
+        expected = sum(image.span.length for image in placed)
+        if sum(1 for i in input_ids if i == pad) != expected:
+            raise RequestError(f"the state or a question contains the text {IMAGE_PAD}, which a request "
+                               "with images cannot hold (the model takes it for a picture's token)")
+
+    def encode(self, request: dict[str, Any], images: list[PreparedImage] | None = None) -> EncodedRecord:
+        """Encode a validated ``/v1/systemone`` body into ids, spans and segment ends; ``images``: the
+        request's pictures, prepared (the caller decodes ``request["images"]``)."""
         questions = request.get("questions")
         if not isinstance(questions, dict) or not questions:
             raise RequestError("at least one question is required")
         if "state" not in request:
             raise RequestError("state is required")
-        if request.get("images") or request.get("videos"):
-            raise RequestError("images and videos are not supported by this server", error_type="unsupported")
+        if request.get("videos"):
+            raise RequestError("videos: video inputs are not supported by this server",
+                               error_type="unsupported")
+        if request.get("images") and not images:
+            raise RequestError("images: this model does not take images (its release has no vision tower)",
+                               error_type="unsupported")
 
         pieces: list[Piece] = [render(request["state"], "state"), self._schema_header]
         # Per question: (id, type, index of the instruction piece, option ids, indexes of the option pieces).
@@ -187,20 +230,23 @@ class ClefEncoder:
         piece_ids = [next(tokenized) if isinstance(p, str) else p for p in pieces]
         state_ids, schema_pieces = piece_ids[0], piece_ids[1:]
 
+        prefix_end = len(self._prefix)
+        media_ids, placed = self._media(images, prefix_end) if images else ([], [])
+        media_end = prefix_end + len(media_ids)
         schema_length = sum(len(ids) for ids in schema_pieces)
-        fixed = len(self._prefix) + schema_length + len(self._suffix)
+        fixed = media_end + schema_length + len(self._suffix)
         if fixed > self.max_length:
+            what = f"schema and {len(placed)} image(s)" if placed else "schema"
             raise RequestError(
-                f"schema requires {fixed} tokens before state; maximum is {self.max_length}",
+                f"{what} requires {fixed} tokens before state; maximum is {self.max_length}",
                 error_type="tokens_exceeded",
             )
         state_ids = state_ids[: self.max_length - fixed]
-        prefix_end = len(self._prefix)
-        state_end = prefix_end + len(state_ids)
+        state_end = media_end + len(state_ids)
 
         # starts[k] = absolute position of pieces[k] (pieces[0] is the state).
         lengths = [len(state_ids), *(len(ids) for ids in schema_pieces)]
-        starts = [prefix_end + s for s in accumulate(lengths, initial=0)]
+        starts = [media_end + s for s in accumulate(lengths, initial=0)]
 
         def span(piece: int) -> tuple[int, int]:
             return starts[piece], starts[piece] + lengths[piece]
@@ -221,13 +267,18 @@ class ClefEncoder:
                 )
             )
 
-        input_ids: list[int] = [*self._prefix, *state_ids]
+        input_ids: list[int] = [*self._prefix, *media_ids, *state_ids]
         for ids in schema_pieces:
             input_ids.extend(ids)
         input_ids.extend(self._suffix)
+        if placed:
+            self._check_pad_text(input_ids, placed)
         return EncodedRecord(
             input_ids=tuple(input_ids),
             questions=tuple(encoded_questions),
             prefix_end=prefix_end,
             state_end=state_end,
+            media_end=media_end if placed else None,
+            images=tuple(placed),
+            prepared_images=tuple(images or ()),
         )

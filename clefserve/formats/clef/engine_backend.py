@@ -10,8 +10,11 @@ engine's idle time (:mod:`clefserve.formats.clef.audit`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import functools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, as_completed
@@ -26,6 +29,7 @@ from clefserve.formats.clef.answers import probabilities
 from clefserve.formats.clef.audit import Auditor, disabled_stats
 from clefserve.formats.clef.decider import ClefDecider
 from clefserve.formats.clef.records import QUESTION_TYPES, EncodedRecord
+from clefserve.model.inputs import InputsProvider, SequenceInputs
 
 if TYPE_CHECKING:
     from clefserve.server.metrics import Metrics
@@ -34,6 +38,9 @@ log = logging.getLogger(__name__)
 
 # How often a waiting request asks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.1
+# Fault injection for tests only: a prefix cache that compares token ids alone, so two pictures of one size
+# look alike to it (the failure the cache keys prevent); the startup self-check must catch it.
+IMAGE_KEYS_FAULT_ENV = "CLEF_FAULT_IMAGE_CACHE_KEYS_IDS_ONLY"
 
 
 class EngineBackend:
@@ -96,13 +103,33 @@ class EngineBackend:
         self._metrics = metrics
 
     def stats(self) -> dict[str, Any] | None:
-        """The engine's counters and pool gauges, and the live audit's under ``audit``; None until the
-        model is loaded."""
-        engine = self.engine
+        """The engine's counters and pool gauges, the vision tower's, and the live audit's under ``audit``;
+        None until the model is loaded."""
+        engine, decider = self.engine, self.decider
         if engine is None:
             return None
         audit = self.audit.stats() if self.audit is not None else disabled_stats()
-        return {**engine.stats(), "nonfinite_outputs": self._nonfinite, "audit": audit}
+        stats = {**engine.stats(), "nonfinite_outputs": self._nonfinite, "audit": audit}
+        if decider is not None and decider.images is not None:
+            stats.update(decider.images.encoder.stats())
+        return stats
+
+    def takes_images(self) -> bool | None:
+        """Whether the model takes images; None while it loads."""
+        return self.decider.takes_images if self.decider is not None else None
+
+    def image_support(self) -> dict[str, Any]:
+        """For ``GET /v1/status`` and the console: whether requests may carry images, and their limits."""
+        decider, config = self.decider, self.config
+        if decider is None:
+            return {"supported": False, "reason": "the model is loading"}
+        if decider.images is None:
+            return {"supported": False, "reason": decider.images_refused}
+        if config.max_images <= 0:
+            return {"supported": False, "reason": "--max-images 0"}
+        return {"supported": True, "max_images": config.max_images,
+                "max_image_bytes": config.max_image_bytes, "max_image_pixels": config.max_image_pixels,
+                "max_body_bytes": config.max_body_bytes + config.image_body_bytes}
 
     def _failure(self) -> str | None:
         """Why answers must not be served: a failed startup self-check, or too many audit mismatches."""
@@ -189,7 +216,8 @@ class EngineBackend:
         engine, decider, config = self.engine, self.decider, self.config
         chunk = config.prefill_chunk_size
         canaries, splits = canaries_module.build_canaries(
-            decider.encode, chunk, min(config.max_length, engine.kv.token_capacity))
+            decider.encode, chunk, min(config.max_length, engine.kv.token_capacity),
+            images=decider.takes_images)
         log.info("startup self-check: %d canaries of %s tokens (%s), each through the engine and the "
                  "reference path", len(canaries), " + ".join(f"{c.tokens:,}" for c in canaries),
                  f"the long one's state of {canaries[0].state_tokens:,} tokens is longer than one "
@@ -207,7 +235,8 @@ class EngineBackend:
             for item in checked:
                 while True:
                     try:
-                        futures.append(self._submit(engine, item.request, item.record, raw=True))
+                        record, inputs = self._provide(decider, item.record)
+                        futures.append(self._submit(engine, item.request, record, True, inputs))
                         break
                     except QueueFullError:
                         pending = [f for f in futures if not f.done()]
@@ -255,20 +284,25 @@ class EngineBackend:
 
     @staticmethod
     def _submit(engine: Engine, body: dict[str, Any], record: EncodedRecord, raw: bool,
-                request_id: str | None = None) -> Any:
-        """``request_id``: a client's request (None for the canaries), which the audit may sample."""
+                inputs: InputsProvider | None = None, request_id: str | None = None) -> Any:
+        """``inputs``: what computes the pictures' rows at admission; ``request_id``: a client's request
+        sampled for the live audit (None otherwise)."""
+        keys = None
+        if record.images and not os.environ.get(IMAGE_KEYS_FAULT_ENV):
+            keys = record.cache_keys()
         return engine.submit(record.input_ids, payload=(body, record, raw, request_id),
-                             snapshot_points=record.resume_points)
+                             snapshot_points=record.resume_points, inputs=inputs, cache_keys=keys)
 
     def submit(self, body: dict[str, Any]) -> Future:
         """Encode a validated body and queue it without waiting (``clef-serve batch``, ``clefserve.ray``):
         the same encoding, resume points, head and answers as :meth:`decide`. The future resolves to the
         response body. Raises :class:`RequestError` at once for a record that can never run (the 4xx the
-        HTTP route would send) and :class:`EngineClosedError` after shutdown."""
+        HTTP route would send) or a bad picture, and :class:`EngineClosedError` after shutdown."""
         engine, decider = self.engine, self.decider
         if engine is None or decider is None or self._check_failure is not None:
             raise RequestError(f"the model is not ready: {self._reason}", 503, "unavailable")
-        return self._submit(engine, body, self._encode(decider, body), self.config.raw_probabilities)
+        record, inputs = self._prepare(decider, body)
+        return self._submit(engine, body, record, self.config.raw_probabilities, inputs)
 
     @staticmethod
     def _encode(decider: ClefDecider, body: dict[str, Any]) -> EncodedRecord:
@@ -299,9 +333,13 @@ class EngineBackend:
         failure = self._failure()
         if engine is None or decider is None or engine.closed or failure is not None:
             raise RequestError(f"the model is not ready: {failure or self._reason}", 503, "unavailable")
-        record = await asyncio.to_thread(self._encode, decider, body)
+        audited = self._audit_sample()
+        # decoding and preprocessing run in a worker thread, the vision tower on the engine's thread at
+        # admission: never on the event loop
+        record, inputs = await asyncio.to_thread(self._prepare, decider, body, audited)
         try:
-            future = self._submit(engine, body, record, self.config.raw_probabilities, request_id)
+            future = self._submit(engine, body, record, self.config.raw_probabilities, inputs,
+                                  request_id if audited else None)
         except EngineClosedError as exc:
             raise RequestError("the server is shutting down", status=503, error_type="unavailable") from exc
         waiting = asyncio.wrap_future(future)  # cancelling it (task cancelled) cancels the sequence too
@@ -315,6 +353,28 @@ class EngineBackend:
         finally:
             if not future.done():
                 engine.cancel(future)
+
+    def _audit_sample(self) -> bool:
+        """Whether the live audit re-runs this request (tossed at submission, so that a sampled request
+        with pictures keeps its pixels for the audit's own vision-tower run)."""
+        audit = self.audit
+        return audit is not None and self._check_failure is None and audit.sample()
+
+    @classmethod
+    def _prepare(cls, decider: ClefDecider, body: dict[str, Any],
+                 keep_pixels: bool = False) -> tuple[EncodedRecord, InputsProvider | None]:
+        return cls._provide(decider, cls._encode(decider, body), keep_pixels)
+
+    @staticmethod
+    def _provide(decider: ClefDecider, record: EncodedRecord,
+                 keep_pixels: bool = False) -> tuple[EncodedRecord, InputsProvider | None]:
+        """The record, and for pictures what computes their rows when the engine admits the sequence (the
+        pixels live in it until then, not in the record the head keeps, unless ``keep_pixels``: the audit
+        needs them)."""
+        if not record.images:
+            return record, None
+        provider = functools.partial(_picture_inputs, decider, record)
+        return (record if keep_pixels else dataclasses.replace(record, prepared_images=())), provider
 
     # ---- on the engine's thread ----
 
@@ -361,8 +421,9 @@ class EngineBackend:
         return results
 
     def _maybe_audit(self, request_id: str, record: EncodedRecord, logits: Any) -> None:
+        """``request_id`` was sampled at submission (:meth:`_audit_sample`)."""
         audit = self.audit
-        if audit is None or self._check_failure is not None or not audit.sample():
+        if audit is None or self._check_failure is not None:
             return
         try:  # the same float32 softmax the answer was rounded from
             audit.offer(request_id, record, probabilities(logits))
@@ -375,3 +436,7 @@ class EngineBackend:
             return decider.logits([hidden], [record])[0]
         except Exception as exc:
             return exc
+
+
+def _picture_inputs(decider: ClefDecider, record: EncodedRecord, start: int) -> SequenceInputs | None:
+    return decider.inputs(record, start=start)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+
+from clefserve.vision.positions import ImageSpan, mrope_positions
 
 # Row of ``type_embedding`` for each question type (clef-format.md §5 step 9).
 QUESTION_TYPES: dict[str, int] = {"noul": 0, "choice": 1, "score": 2}
@@ -27,13 +31,26 @@ MIN_STATE_SNAPSHOT_TOKENS = 64
 
 
 @dataclass(frozen=True)
+class RecordImage:
+    """One picture of a record: its ``<|image_pad|>`` span, patch grid and pixel digest."""
+
+    span: ImageSpan
+    digest: str
+
+
+@dataclass(frozen=True)
 class EncodedRecord:
     input_ids: tuple[int, ...]
     questions: tuple[EncodedQuestion, ...]
-    # Segment boundaries: PREFIX is ids[:prefix_end], the kept STATE is ids[prefix_end:state_end],
-    # then come SCHEMA and SUFFIX.
+    # Segment boundaries: PREFIX is ids[:prefix_end], then the MEDIA placeholders (one
+    # <|vision_start|><|image_pad|>...<|vision_end|> per picture and a newline) up to media_end, the kept
+    # STATE up to state_end, then SCHEMA and SUFFIX. Without pictures media_end == prefix_end.
     prefix_end: int
     state_end: int
+    media_end: int | None = None
+    images: tuple[RecordImage, ...] = ()
+    # the pictures' prepared pixels (clefserve.vision.inputs.PreparedImage), for the vision tower
+    prepared_images: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def num_options(self) -> int:
@@ -41,8 +58,30 @@ class EncodedRecord:
 
     @property
     def resume_points(self) -> tuple[int, ...]:
-        """Where the prefix cache keeps a resume point: after the fixed prefix, after the state (the same
-        state asked other questions) unless it is shorter than ``MIN_STATE_SNAPSHOT_TOKENS``, and the whole
-        record (an identical request)."""
-        state = (self.state_end,) if self.state_end - self.prefix_end >= MIN_STATE_SNAPSHOT_TOKENS else ()
-        return (self.prefix_end, *state, len(self.input_ids))
+        """Where the prefix cache keeps a resume point: after the fixed prefix, after the pictures (the same
+        pictures with another state), after the state (the same state asked other questions) unless it is
+        shorter than ``MIN_STATE_SNAPSHOT_TOKENS``, and the whole record (an identical request)."""
+        pictures = (self.state_start,) if self.state_start != self.prefix_end else ()
+        state = (self.state_end,) if self.state_end - self.state_start >= MIN_STATE_SNAPSHOT_TOKENS else ()
+        return (self.prefix_end, *pictures, *state, len(self.input_ids))
+
+    @property
+    def state_start(self) -> int:
+        return self.prefix_end if self.media_end is None else self.media_end
+
+    def positions(self) -> torch.Tensor | None:
+        """M-RoPE positions ``[3, len]`` of a record with pictures; None for text (positions = indexes)."""
+        if not self.images:
+            return None
+        return mrope_positions(len(self.input_ids), [image.span for image in self.images])
+
+    def cache_keys(self) -> list:
+        """The record's tokens as the prefix cache compares them: each ``<|image_pad|>`` token replaced by
+        (its picture's digest, its index in the picture), so two records with different pictures differ
+        from the first picture token on, whatever their token ids."""
+        keys: list = list(self.input_ids)
+        for image in self.images:
+            start = image.span.start
+            for i in range(image.span.length):
+                keys[start + i] = (image.digest, i)
+        return keys
