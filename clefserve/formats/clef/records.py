@@ -57,18 +57,17 @@ class EncodedRecord:
         return sum(len(q.option_ids) for q in self.questions)
 
     @property
-    def state_start(self) -> int:
-        return self.prefix_end if self.media_end is None else self.media_end
-
-    @property
     def resume_points(self) -> tuple[int, ...]:
         """Where the prefix cache keeps a resume point: after the fixed prefix, after the pictures (the same
-        pictures with another state: they cost a vision-tower run as well as their tokens), after the state
-        (the same state asked other questions) unless it is shorter than ``MIN_STATE_SNAPSHOT_TOKENS``, and
-        the whole record (an identical request)."""
-        pictures = (self.state_start,) if self.state_start > self.prefix_end else ()
-        long_state = self.state_end - self.state_start >= MIN_STATE_SNAPSHOT_TOKENS
-        return (self.prefix_end, *pictures, *((self.state_end,) if long_state else ()), len(self.input_ids))
+        pictures with another state), after the state (the same state asked other questions) unless it is
+        shorter than ``MIN_STATE_SNAPSHOT_TOKENS``, and the whole record (an identical request)."""
+        pictures = (self.state_start,) if self.state_start != self.prefix_end else ()
+        state = (self.state_end,) if self.state_end - self.state_start >= MIN_STATE_SNAPSHOT_TOKENS else ()
+        return (self.prefix_end, *pictures, *state, len(self.input_ids))
+
+    @property
+    def state_start(self) -> int:
+        return self.prefix_end if self.media_end is None else self.media_end
 
     def positions(self) -> torch.Tensor | None:
         """M-RoPE positions ``[3, len]`` of a record with pictures; None for text (positions = indexes)."""
