@@ -148,7 +148,29 @@ def malformed_calls() -> list[tuple[str, bytes, dict[str, str]]]:
         ("bad-gzip", b"\x1f\x8b not gzip at all", {"content-encoding": "gzip"}),
         ("unknown-encoding", _json(good), {"content-encoding": "br"}),
         ("multipart", b"--x\r\n\r\n", {"content-type": "multipart/form-data; boundary=x"}),
+        # TypeSafe's image assets, wrong in each way that names a part or an asset
+        ("asset-unreferenced", _json({**good, "assets": {"<image:" + "a" * 32 + ">": {
+            "type": "image", "format": "png", "data_base64": "aGVsbG8="}}}), {}),
+        ("asset-dangling", _json({**good, "state": "see <image:" + "b" * 32 + ">"}), {}),
+        ("multipart-unclaimed", _multipart(good, ("asset-0", b"\x89PNG\r\n\x1a\n")), _FORM),
+        ("multipart-missing-part", _multipart({**good, "state": "<image:" + "c" * 32 + ">", "assets": {
+            "<image:" + "c" * 32 + ">": {"type": "image", "part": "asset-1"}}}, ("asset-0", b"GIF89a")),
+         _FORM),
+        ("multipart-truncated", _multipart(good, ("asset-0", b"\xff\xd8\xff"))[:-20], _FORM),
     ]
+
+
+_FORM = {"content-type": "multipart/form-data; boundary=soak-boundary"}
+
+
+def _multipart(request: Any, *parts: tuple[str, bytes]) -> bytes:
+    """A multipart/form-data body as TypeSafe's SDK sends one: the JSON request, then image parts."""
+    chunks = [b'--soak-boundary\r\nContent-Disposition: form-data; name="request"\r\n'
+              b"Content-Type: application/json\r\n\r\n" + _json(request) + b"\r\n"]
+    for name, data in parts:
+        chunks.append(f'--soak-boundary\r\nContent-Disposition: form-data; name="{name}"\r\n'
+                      "Content-Type: image/png\r\n\r\n".encode() + data + b"\r\n")
+    return b"".join(chunks) + b"--soak-boundary--\r\n"
 
 
 def build_calls(count: int, malformed: float, disconnects: float, seed: int) -> list[Call]:

@@ -147,7 +147,7 @@ CASES: list[tuple[str, Any, dict[str, str], int, list[Any] | None, str]] = [
     ("nested-100k", nested(100_000), {}, 422, ["body"], "nested deeper"),
     ("nested-65", nested(MAX_JSON_DEPTH + 1), {}, 422, ["body", "state"], "nested deeper"),
     ("body-2mib", json.dumps(body(state="x" * (2 * MIB))), {}, 413, None, "larger than"),
-    ("multipart", "--x\r\n\r\n", {"content-type": "multipart/form-data; boundary=x"}, 415, None, "multipart"),
+    ("multipart", "--x\r\n\r\n", {"content-type": "multipart/form-data; boundary=x"}, 400, None, "multipart"),
     ("encoding-unknown", json.dumps(GOOD), {"content-encoding": "br"}, 415, None, "'br'"),
     ("encoding-corrupt", b"\x1f\x8b not really gzip", GZIP, 400, None, "gzip"),
     ("gzip-bomb", gzip.compress(json.dumps(body(state=" " * (3 * MIB))).encode()), GZIP, 413, None,

@@ -20,6 +20,15 @@ from clefserve import __version__
 from clefserve.config import EngineConfig
 from clefserve.errors import RequestError
 from clefserve.server import workers_ai
+from clefserve.server.assets import (
+    IMAGE_ASSET_SCHEMA,
+    MULTIPART_CONTENT,
+    Multipart,
+    is_multipart,
+    parse_multipart,
+    renamed,
+    resolve_assets,
+)
 from clefserve.server.auth import bearer_guard
 from clefserve.server.backend import DecisionBackend, question_types
 from clefserve.server.body import (
@@ -61,7 +70,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorResponse,
           "description": "Body larger than --max-body-bytes (not counting images), an image larger than "
                          "--max-image-bytes or --max-image-pixels"},
-    415: {"model": ErrorResponse, "description": "Unsupported Content-Encoding or multipart body"},
+    415: {"model": ErrorResponse,
+          "description": "Unsupported Content-Encoding, a multipart type other than form-data, or an image "
+                         "part whose Content-Type is not an image"},
     422: {"model": HTTPValidationError,
           "description": "Malformed JSON or an invalid request; loc names the field"},
     500: {"model": ErrorResponse, "description": "Unexpected server error (logged with the request id)"},
@@ -117,23 +128,24 @@ def body_limit(config: EngineConfig, backend: DecisionBackend) -> int:
     return config.max_body_bytes + config.image_body_bytes
 
 
-async def _read_request(request: Request, config: EngineConfig, limit: int) -> Any:
+async def _read_request(request: Request, config: EngineConfig, limit: int) -> tuple[Any, Multipart | None]:
+    """The parsed JSON body, and for a multipart/form-data body (TypeSafe's image assets) its image parts."""
     content_type = request.headers.get("content-type", "")
-    if content_type.lower().startswith("multipart/"):
-        raise HTTPException(415, error_detail(
-            "multipart bodies (image assets) are not supported: send the request as application/json",
-            "invalid_request"))
     what = "--max-body-bytes" if limit == config.max_body_bytes else WITH_IMAGES
     raw = await read_body(request.stream(), request.headers.get("content-length"), limit, what)
     raw = decode_body(raw, request.headers.get("content-encoding"), limit, what)
-    if len(raw) > config.max_body_bytes and b'"images"' not in raw:  # no images: refuse before parsing
-        raise too_large(config.max_body_bytes)
+    multipart = None
+    if is_multipart(content_type):
+        multipart = parse_multipart(raw, content_type, config.max_images + 1)
+        raw = multipart.request
+    if len(raw) > config.max_body_bytes and b'"images"' not in raw and b'"assets"' not in raw:
+        raise too_large(config.max_body_bytes)  # no pictures: refuse before parsing
     if len(raw) > PARSE_IN_THREAD_BYTES:  # a 1 MiB body takes ~0.2 s to parse and check
         body = await run_in_threadpool(parse_json, raw)
     else:
         body = parse_json(raw)
     check_text_size(raw, body, config.max_body_bytes)
-    return body
+    return body, multipart
 
 
 def _describe_semantics(components: dict[str, Any], config: EngineConfig) -> None:
@@ -209,9 +221,12 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         """The System One handler every decision route calls: body intake, validation, limits, the
         backend, the JSON answer. A route shaped like another service passes ``adapt`` (applied to the
         parsed body first) and ``wrap`` (applied to the answer)."""
-        body = await _read_request(request, config, body_limit(config, backend))
+        body, multipart = await _read_request(request, config, body_limit(config, backend))
         if adapt is not None:
             body = adapt(body)
+        # TypeSafe's assets become images (the references in the text positional markers)
+        pictures = resolve_assets(body, multipart, config.max_images, config.max_image_bytes)
+        body = pictures.body
         validated_request(body, limits, question_types(backend))
         request_id: str = request.state.request_id
         try:
@@ -220,7 +235,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
             return JSONResponse(wrap(result) if wrap is not None else result)
         except RequestError as exc:
             metrics.count_error(exc.error_type)
-            raise from_request_error(exc) from None
+            raise from_request_error(renamed(exc, pictures.names)) from None
         except HTTPException:
             raise
         except Exception:
@@ -234,7 +249,8 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
         "dependencies": guard, "response_model": None,
         "responses": {200: {"model": SystemOneResponse}, **_ERRORS},
         "openapi_extra": {"requestBody": {"required": True, "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}}},
+            "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
+            **MULTIPART_CONTENT}}},
     }
 
     @app.post("/v1/systemone", summary="Answer questions about a state", **decision_route)
@@ -300,6 +316,7 @@ def create_app(backend: DecisionBackend, config: EngineConfig) -> FastAPI:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["SystemOneRequest"] = request_schema
+            components["ImageAsset"] = IMAGE_ASSET_SCHEMA
             _describe_semantics(components, config)
             app.openapi_schema = schema
         return app.openapi_schema

@@ -121,12 +121,16 @@ WITH_IMAGES = "--max-body-bytes plus --max-images images of --max-image-bytes in
 
 
 def check_text_size(raw: bytes, body: Any, max_body_bytes: int) -> None:
-    """``max_body_bytes`` (--max-body-bytes) bounds the body without its images (each image is bounded on
-    its own): a 413 otherwise."""
+    """``max_body_bytes`` (--max-body-bytes) bounds the body without its images (``images`` entries and
+    the ``data_base64`` of ``assets``; each image is bounded on its own): a 413 otherwise."""
     if len(raw) <= max_body_bytes:
         return
     images = body.get("images") if isinstance(body, dict) else None
     strings = [entry for entry in images if isinstance(entry, str)] if isinstance(images, list) else []
+    assets = body.get("assets") if isinstance(body, dict) else None  # TypeSafe's, with data_base64
+    if isinstance(assets, dict):
+        strings += [a["data_base64"] for a in assets.values()
+                    if isinstance(a, dict) and isinstance(a.get("data_base64"), str)]
     # an encoder may escape "/" as "\/": allow for it rather than count a picture's bytes as text
     text = len(raw) - sum(len(s) + s.count("/") for s in strings)
     if text > max_body_bytes:

@@ -24,6 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
+from clefserve.server.assets import MULTIPART_CONTENT
+
 # The model names hosted Clef is called by; each maps to the served release.
 WORKERS_AI_MODELS = ("clef", "clef-flash")
 MODEL_PREFIX = "@cf/cloudflare/"
@@ -122,7 +124,8 @@ def add_routes(
             summary="Workers AI's run route for hosted Clef: the System One body, the answer in Cloudflare's "
                     "envelope",
             openapi_extra={"requestBody": {"required": True, "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}}},
+                "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
+                **MULTIPART_CONTENT}}},
         )
     for path in OTHER_MODELS:  # after the routes above, which take precedence
         app.router.add_api_route(path, other_model, methods=["POST"], dependencies=dependencies,
