@@ -58,19 +58,7 @@ def test_a_server_with_the_broken_conv_never_turns_ready(make_release, tmp_path)
     log = tmp_path / "server.log"
     server = ServerProcess(make_release(seed=31), log, env={"CLEF_FAULT_ZERO_CONV_BAND": "k"})
     try:
-        deadline, reason = time.monotonic() + 120, ""
-        while time.monotonic() < deadline:
-            assert server.process.poll() is None, log.read_text()
-            try:
-                response = httpx.get(f"{server.url}/ready", timeout=2)
-            except httpx.TransportError:
-                time.sleep(0.2)
-                continue
-            assert response.status_code == 503  # never 200
-            reason = response.json().get("reason", "")
-            if "self-check failed" in reason:
-                break
-            time.sleep(0.2)
+        reason = server.wait_refusal("self-check failed")  # never 200 on the way
         assert "self-check failed" in reason, log.read_text()[-3000:]
         assert "canary" in reason
         time.sleep(1)

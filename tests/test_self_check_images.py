@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -103,19 +102,7 @@ def test_a_server_with_the_blind_prefix_cache_never_turns_ready(make_release, tm
     log = tmp_path / "server.log"
     server = ServerProcess(make_release(SPEC, seed=13), log, env={IMAGE_KEYS_FAULT_ENV: "1"})
     try:
-        deadline, reason = time.monotonic() + 180, ""
-        while time.monotonic() < deadline:
-            assert server.process.poll() is None, log.read_text()
-            try:
-                response = httpx.get(f"{server.url}/ready", timeout=2)
-            except httpx.TransportError:
-                time.sleep(0.2)
-                continue
-            assert response.status_code == 503  # never 200
-            reason = response.json().get("reason", "")
-            if "self-check failed" in reason:
-                break
-            time.sleep(0.2)
+        reason = server.wait_refusal("self-check failed", timeout_s=180)  # never 200 on the way
         assert "self-check failed" in reason and "(image-b)" in reason, log.read_text()[-3000:]
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
     finally:

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -102,18 +102,24 @@ def weight_files(folder: Path) -> list[Path]:
     raise ReleaseError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
+def read_tensors(file: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file whose names ``wanted`` accepts; a file that is not safetensors
+    is a :class:`ReleaseError` that names it."""
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise ReleaseError(f"{file.name}: not a readable safetensors file ({exc})") from exc
+    with handle:
+        for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+            if wanted(key):
+                yield key, handle.get_tensor(key)
+
+
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     total = sum(f.stat().st_size for f in files)
     done, started = 0, time.monotonic()
     for i, file in enumerate(files, 1):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise ReleaseError(f"{file.name}: not a readable safetensors file ({exc})") from exc
-        with handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if not key.startswith(SKIPPED_PREFIXES):
-                    yield key, handle.get_tensor(key)
+        yield from read_tensors(file, lambda key: not key.startswith(SKIPPED_PREFIXES))
         done += file.stat().st_size
         if total >= PROGRESS_BYTES:
             log.info(

@@ -60,6 +60,27 @@ class ServerProcess:
             time.sleep(0.1)
         raise ServerFailed(f"clef-serve not ready after {timeout_s}s:\n{self.log.read_text()}")
 
+    def wait_refusal(self, text: str, timeout_s: float = 120) -> str:
+        """Poll ``/ready`` until its 503 reason contains ``text``; the last reason (also on timeout). A 200
+        on the way, or the process exiting, is :class:`ServerFailed`: this server must never turn ready."""
+        deadline, reason = time.monotonic() + timeout_s, ""
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                raise ServerFailed(f"clef-serve exited with {code}:\n{self.log.read_text()}")
+            try:
+                response = httpx.get(f"{self.url}/ready", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            if response.status_code != 503:
+                raise ServerFailed(f"/ready answered {response.status_code}:\n{self.log.read_text()[-3000:]}")
+            reason = response.json().get("reason", "")
+            if text in reason:
+                break
+            time.sleep(0.2)
+        return reason
+
     def stop(self) -> int:
         self.process.terminate()
         try:

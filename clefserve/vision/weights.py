@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from clefserve.errors import ReleaseError
 from clefserve.model.config import BackboneConfig
-from clefserve.model.weights import weight_files
+from clefserve.model.weights import read_tensors, weight_files
 from clefserve.vision.config import VisionConfig
 from clefserve.vision.tower import VisionTower
 
@@ -32,15 +31,9 @@ def expected_tensors(config: VisionConfig) -> dict[str, tuple[int, ...]]:
 def _visual_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     found: dict[str, torch.Tensor] = {}
     for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise ReleaseError(f"{file.name}: not a readable safetensors file ({exc})") from exc
-        with handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                prefix = next((p for p in PREFIXES if key.startswith(p)), None)
-                if prefix is not None:
-                    found[key[len(prefix):]] = handle.get_tensor(key)
+        for key, tensor in read_tensors(file, lambda key: key.startswith(PREFIXES)):
+            prefix = next(p for p in PREFIXES if key.startswith(p))
+            found[key[len(prefix):]] = tensor
     return found
 
 

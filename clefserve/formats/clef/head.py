@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from clefserve.errors import ReleaseError
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.weights import read_tensors
 
 HEAD_CONFIG_KEYS = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
 MAX_LOG_SCALE = math.log(100.0)
@@ -362,20 +362,14 @@ def load_head(
         head = JointSchemaHead(**config)
     expected = {name: tuple(p.shape) for name, p in head.named_parameters()}
     state: dict[str, torch.Tensor] = {}
-    try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own error types
-        raise ReleaseError(f"{path.name}: not a readable safetensors file ({exc})") from exc
-    with handle:
-        for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-            tensor = handle.get_tensor(key)
-            if key not in expected:
-                raise ReleaseError(f"unexpected tensor {key!r} {tuple(tensor.shape)} in {path.name}")
-            if tuple(tensor.shape) != expected[key]:
-                raise ReleaseError(
-                    f"tensor {key!r} in {path.name} has shape {tuple(tensor.shape)}, expected {expected[key]}"
-                )
-            state[key] = tensor.to(device=device, dtype=dtype)
+    for key, tensor in read_tensors(path, lambda key: True):
+        if key not in expected:
+            raise ReleaseError(f"unexpected tensor {key!r} {tuple(tensor.shape)} in {path.name}")
+        if tuple(tensor.shape) != expected[key]:
+            raise ReleaseError(
+                f"tensor {key!r} in {path.name} has shape {tuple(tensor.shape)}, expected {expected[key]}"
+            )
+        state[key] = tensor.to(device=device, dtype=dtype)
     missing = [name for name in expected if name not in state]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
