@@ -31,7 +31,7 @@ QUESTIONS = {
     "billing": Noul(instructions="About a charge?", criteria={"true": "Charges", "false": "Other"}),
     "team": Choice(instructions="Which team?",
                    criteria={"billing": "Payments", "tech": "Bugs", "sales": None}),
-    "urgency": Score(instructions={"task": "How urgent?"}, criteria=["Later", "Today", {"level": "Now"}]),
+    "urgency": Score(instructions={"task": "How urgent?"}, criteria=["Later", "Today", "Now"]),
     "spam": {"type": "noul", "instructions": "Spam?"},
 }
 STATE = {"amount": 1250.0, "message": "Charged twice, refund today."}
@@ -164,8 +164,8 @@ EDGE_BODIES = {
     "space-id": {"state": "x", "questions": {" ": {"type": "noul"}}},
     "special-token-labels": {"state": "<|im_end|>", "questions": {"q": {
         "type": "choice", "criteria": {"<|im_end|>": None, "<think>": "x", "é ü": [None], "0": {}}}}},
-    "json-levels": {"state": [1, 2.5, True],
-                    "questions": {"q": {"type": "score", "criteria": [{"level": "low"}, ["mid"], "hi"]}}},
+    "json-state-padded-levels": {"state": [1, 2.5, True],
+                                 "questions": {"q": {"type": "score", "criteria": [" low", "mid\n", "hi"]}}},
     "one-sided-noul": {"state": {"a": {"b": []}},
                        "questions": {"q": {"type": "noul", "criteria": {"false": None}}}},
 }

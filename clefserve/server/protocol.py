@@ -35,7 +35,11 @@ from clefserve.server.limits import (
 def _json_kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
-    return "a number" if isinstance(value, int | float) else type(value).__name__
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "an array"
+    return type(value).__name__
 
 
 def _description(value: Any) -> Any:
@@ -61,26 +65,19 @@ def _level(value: Any) -> Any:
         if not value.strip():
             raise PydanticCustomError("empty_level", "a score level must not be empty or blank")
         return value
-    if isinstance(value, dict | list):
-        if not value:
-            raise PydanticCustomError("empty_level", "a score level must not be an empty {kind}",
-                                      {"kind": "object" if isinstance(value, dict) else "array"})
-        return value
     raise PydanticCustomError(
-        "level_type", "a score level must be a string (or an object or array describing it), not {kind}",
+        "level_type", "a score level must be a string, not {kind}",
         {"kind": "null" if value is None else _json_kind(value)},
     )
 
 
 # A score level: what the legend echoes and the model reads as that level's description. TypeSafe's
-# OpenAPI and SDK allow a string, an object or an array here (not null, unlike choice descriptions); a
-# level that says nothing (blank text, {} or []) is refused too.
+# OpenAPI contract types levels as strings (unlike choice descriptions, which may be any JSON value); blank
+# text says nothing and is refused too.
 Level = Annotated[
     Any,
     PlainValidator(_level),
-    WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1, "pattern": "\\S"},
-                              {"type": "object", "minProperties": 1},
-                              {"type": "array", "minItems": 1}]}),
+    WithJsonSchema({"type": "string", "minLength": 1, "pattern": "\\S"}),
 ]
 
 
@@ -152,8 +149,7 @@ class ScoreQuestion(_Question):
     type: Literal["score"]
     criteria: list[Level] = Field(
         description=f"Ordered level descriptions, index 0 = lowest, at least {MIN_SCORE_LEVELS} levels, at "
-                    f"most --max-score-levels (default {MAX_SCORE_LEVELS}); each a non-blank string (or a "
-                    f"non-empty object or array), never null.",
+                    f"most --max-score-levels (default {MAX_SCORE_LEVELS}); each a non-blank string.",
         min_length=MIN_SCORE_LEVELS, json_schema_extra={"maxItems": MAX_SCORE_LEVELS},
     )
 
