@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from clefserve.errors import ReleaseError, RequestError
 from clefserve.formats.clef import ClefEncoder, EncodedRecord, JointSchemaHead, load_head, random_head_tensors
+from clefserve.formats.clef.head import padding_groups
 from clefserve.testing.release import ReleaseSpec
 from tests.oracles import jsm
 from tests.request_gen import RequestGenerator
@@ -228,3 +229,17 @@ def test_load_head_refuses_bad_config(release_copy) -> None:
     config_path.write_text(json.dumps(config))
     with pytest.raises(ReleaseError, match=r"joint_head\.safetensors"):
         load_head(release_copy)
+
+
+@pytest.mark.parametrize(("lengths", "groups"), [
+    ([], []),
+    ([7], [[0]]),
+    ([681, 3000, 681, 3000, 2900, 100], [[1, 3, 4], [0, 2], [5]]),
+    ([100, 120, 130], [[2, 1, 0]]),  # 3 x 130 = 390 <= 1.25 x 350
+    ([100, 200], [[1], [0]]),  # 2 x 200 = 400 > 1.25 x 300
+])
+def test_padding_groups_bound_the_padding(lengths: list[int], groups: list[list[int]]) -> None:
+    assert padding_groups(lengths) == groups
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        assert len(group) * lengths[group[0]] <= 1.25 * sum(lengths[i] for i in group)

@@ -21,6 +21,7 @@ import torch
 
 from clefserve.config import EngineConfig
 from clefserve.engine.errors import EngineClosedError, StepError
+from clefserve.engine.host_malloc import keep_freed_memory
 from clefserve.engine.kv_pool import KVPool
 from clefserve.engine.memory import MIB, MemoryBudget, PoolPlan, measure_memory, plan_pools
 from clefserve.engine.prefix_cache import PrefixCache
@@ -59,6 +60,8 @@ class Engine:
         measured on the device when None (on a GPU: after a warm-up step)."""
         mc = model.config
         self.model, self.config, self.finish = model, config, finish
+        if model.device.type == "cpu":
+            keep_freed_memory()
         budget = memory_budget_bytes
         if budget is None:
             budget = measure_memory(model, config)

@@ -12,7 +12,7 @@ from clefserve.confidence import CONFIDENCE_MODES
 from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.answers import build_response
 from clefserve.formats.clef.encoder import DEFAULT_MAX_LENGTH, ClefEncoder
-from clefserve.formats.clef.head import load_head
+from clefserve.formats.clef.head import load_head, padding_groups
 from clefserve.formats.clef.records import EncodedRecord
 from clefserve.model.backbone import Backbone
 from clefserve.model.device import DeviceFacts, check_dtype, device_facts
@@ -104,8 +104,16 @@ class ClefDecider:
 
     @torch.inference_mode()
     def logits(self, hiddens: list[torch.Tensor], records: list[EncodedRecord]) -> list[list[torch.Tensor]]:
-        """The head over a batch of records, given each record's final-norm hidden rows."""
-        return self.head(hiddens, records, self.backbone.lm_head.weight)
+        """The head over a batch of records, given each record's final-norm hidden rows. Records of
+        similar length share one head call; a short record is not padded to a long one's length (the
+        head attends over every token of its record, so padding would cost as much as the tokens)."""
+        out: list[list[torch.Tensor]] = [[] for _ in records]
+        for group in padding_groups([int(h.shape[0]) for h in hiddens]):
+            answers = self.head([hiddens[i] for i in group], [records[i] for i in group],
+                                self.backbone.lm_head.weight)
+            for i, record_logits in zip(group, answers, strict=True):
+                out[i] = record_logits
+        return out
 
     def answer(
         self,

@@ -316,6 +316,26 @@ class JointSchemaHead(nn.Module):
         return out
 
 
+# The most padding a batched head call may add, as a share of its records' tokens.
+PADDING_WASTE = 0.25
+
+
+def padding_groups(lengths: list[int], waste: float = PADDING_WASTE) -> list[list[int]]:
+    """Indices of ``lengths`` in groups of similar length, longest first: a group padded to its longest
+    record holds at most ``1 + waste`` times its records' tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= (1 + waste) * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
 def read_head_config(folder: str | Path) -> dict[str, int]:
     path = Path(folder) / "joint_head_config.json"
     if not path.is_file():
