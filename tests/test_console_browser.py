@@ -426,7 +426,10 @@ ENGINE_STATS = dict.fromkeys(
 
 class AuditingBackend(FakeBackend):
     def stats(self) -> dict[str, Any]:
-        return {**ENGINE_STATS, "audit": {"match": 1234, "mismatch": 0, "skipped": 7}}
+        return {**ENGINE_STATS, "audit": {
+            "match": 1234, "mismatch": 0, "skipped": 7, "skipped_because": {"no_pixels": 7},
+            "fail_ready_after": 0, "reference_seconds": 12.345,
+            "max_difference": {"buckets": [[1e-7, 1000], ["+Inf", 1234]], "sum": 2.468e-4, "count": 1234}}}
 
 
 def test_the_audit_panel_appears_with_the_backends_audit_counters(browser: Browser) -> None:
@@ -435,6 +438,9 @@ def test_the_audit_panel_appears_with_the_backends_audit_counters(browser: Brows
         browser.wait(lambda d: text_of(browser, "#audit-panel") is not None, timeout=10)
         panel = text_of(browser, "#audit-panel")
         assert "match1,234" in panel and "mismatch0" in panel and "skipped7" in panel
+        assert "skipped: no pixels7" in panel and "fail ready afternever" in panel
+        assert "reference seconds12.3 s" in panel and "mean largest difference2.00e-7" in panel
+        assert "sum" not in panel and "bucket" not in panel
 
 
 def test_the_whole_flow_works_from_the_keyboard(browser: Browser) -> None:

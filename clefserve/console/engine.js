@@ -136,16 +136,26 @@ export function renderEngineProblem(container, message) {
 }
 
 // The status flattens the audit's counters to "a.b" keys; unset ones (null) and the histogram's buckets are
-// left out, a fraction is a percentage and a byte count a size.
+// left out, a fraction is a percentage, a byte count a size, seconds a duration; the histogram's sum and
+// count become the mean of the per-request largest differences, and a fail-ready threshold of 0 is "never".
 function auditRows(audit) {
-  return Object.entries(audit)
-    .filter(([key, value]) => value !== null && !key.startsWith("max_difference.bucket"))
-    .map(([key, value]) => {
-      const label = key.replaceAll("_", " ");
-      if (key === "fraction") return row(label, percent(value));
-      if (key.endsWith("bytes") && typeof value === "number") return row(label, formatBytes(value));
-      return row(label, auditValue(value));
-    });
+  const rows = [];
+  for (const [key, value] of Object.entries(audit)) {
+    if (value === null || key.startsWith("max_difference.")) continue;
+    const label = key.startsWith("skipped_because.")
+      ? `skipped: ${key.slice("skipped_because.".length).replaceAll("_", " ")}`
+      : key.replaceAll("_", " ").replaceAll(".", " ");
+    if (key === "fraction") rows.push(row(label, percent(value)));
+    else if (key === "fail_ready_after") rows.push(row(label, value ? formatCount(value) : "never"));
+    else if (key.endsWith("seconds") && typeof value === "number") rows.push(row(label, `${value.toFixed(1)} s`));
+    else if (key.endsWith("bytes") && typeof value === "number") rows.push(row(label, formatBytes(value)));
+    else rows.push(row(label, auditValue(value)));
+  }
+  const count = audit["max_difference.count"];
+  if (typeof count === "number" && count > 0) {
+    rows.push(row("mean largest difference", (audit["max_difference.sum"] / count).toPrecision(3)));
+  }
+  return rows;
 }
 
 function auditValue(value) {
