@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,3 +80,15 @@ class PausingFinish:
             self._held.set()
             assert self._go.wait(30.0), "test never released the engine"
         return self.inner(finished)
+
+
+async def audits_concluded(backend: Any, count: int, timeout_s: float = 120) -> dict[str, Any]:
+    """An engine backend's audit counters once ``count`` audits have concluded (match, mismatch or skipped),
+    or at ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        stats = backend.stats()["audit"]
+        if stats["match"] + stats["mismatch"] + stats["skipped"] >= count or loop.time() > deadline:
+            return stats
+        await asyncio.sleep(0.02)

@@ -43,7 +43,7 @@ from clefserve.model.weights import load_backbone
 from clefserve.server.logging import JsonFormatter
 from clefserve.server.metrics import Metrics
 from clefserve.testing.server_process import ServerProcess
-from tests.engine_support import small_config
+from tests.engine_support import audits_concluded, small_config
 from tests.request_gen import RequestGenerator
 
 SEED = 31  # the release test_self_check uses (built once per session)
@@ -135,7 +135,7 @@ def test_the_demo_canaries_miss_a_fault_from_token_2048_and_the_audit_catches_it
     try:
         assert backend.run_self_check() == []
         answer = asyncio.run(backend.decide(body, "demo", connected))
-        stats = asyncio.run(_audited(backend, 1))
+        stats = asyncio.run(audits_concluded(backend, 1))
     finally:
         backend.engine.shutdown()
     assert answer["usage"]["input_tokens"] > 2048
@@ -246,17 +246,6 @@ def metric_samples(metrics: Metrics) -> dict[str, float]:
     return out
 
 
-async def _audited(backend: EngineBackend, count: int, timeout_s: float = 120) -> dict[str, Any]:
-    """Wait until ``count`` audits have concluded (match, mismatch or skipped)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        stats = backend.stats()["audit"]
-        if stats["match"] + stats["mismatch"] + stats["skipped"] >= count or loop.time() > deadline:
-            return stats
-        await asyncio.sleep(0.02)
-
-
 def test_audit_catches_a_late_fault_the_self_check_misses(make_release, json_log: io.StringIO) -> None:
     decider = ClefDecider(make_release(seed=SEED))
     late = longest_canary(decider, chunk_tokens=512)  # _backend's --prefill-chunk-size
@@ -269,7 +258,7 @@ def test_audit_catches_a_late_fault_the_self_check_misses(make_release, json_log
         short = [await backend.decide(long_request(decider, 0, 100), "short-0", connected)]
         answers = [await backend.decide(long_request(decider, late + 200, i), f"long-{i}", connected)
                    for i in range(3)]
-        return short + answers, await _audited(backend, 4)
+        return short + answers, await audits_concluded(backend, 4)
 
     answers, stats = asyncio.run(run())
     try:
@@ -329,7 +318,7 @@ def test_five_hundred_audited_requests_on_a_sound_server_all_match(make_release)
                 await backend.decide(body, f"r{i}", connected)
 
         await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
-        return await _audited(backend, len(bodies), timeout_s=300)
+        return await audits_concluded(backend, len(bodies), timeout_s=300)
 
     try:
         stats = asyncio.run(run())

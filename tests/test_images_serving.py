@@ -22,6 +22,7 @@ from clefserve.server import create_app
 from clefserve.server.status import StatusResponse
 from clefserve.testing.release import ReleaseSpec, VisionSpec
 from tests.batch_support import MAX_BODY_BYTES, RAW_TOLERANCE, read_output, run_batch
+from tests.engine_support import audits_concluded
 from tests.image_samples import as_base64, as_data_url, file_bytes, picture
 
 SPEC = ReleaseSpec(head_dim=32, partial_rotary_factor=0.5, vision=VisionSpec())
@@ -54,16 +55,6 @@ async def _connected() -> bool:
     return False
 
 
-async def _audits(backend: EngineBackend, count: int, timeout_s: float = 120) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        stats = backend.stats()["audit"]
-        if stats["match"] + stats["mismatch"] + stats["skipped"] >= count or loop.time() > deadline:
-            return stats
-        await asyncio.sleep(0.02)
-
-
 def test_the_audit_reruns_requests_with_their_pictures(release: Path) -> None:
     """Every request audited (--audit-fraction 1): sound pictures match the reference path; a picture whose
     encoder-cache rows are wrong (served from the cache) is a mismatch, because the audit runs the vision
@@ -76,7 +67,7 @@ def test_the_audit_reruns_requests_with_their_pictures(release: Path) -> None:
             for i in range(2):
                 body = request([photo(i), photo(10 + i, 48, 80, "JPEG")], f"note {i}")
                 await backend.decide(body, f"ok-{i}", _connected)
-            return await _audits(backend, 2)
+            return await audits_concluded(backend, 2)
 
         encoded_before = backend.stats()["images_encoded"]
         stats = asyncio.run(run())
@@ -91,7 +82,7 @@ def test_the_audit_reruns_requests_with_their_pictures(release: Path) -> None:
 
         async def run_stale() -> dict[str, Any]:
             await backend.decide(request([photo(99)], "stale rows"), "stale", _connected)
-            return await _audits(backend, 3)
+            return await audits_concluded(backend, 3)
 
         stats = asyncio.run(run_stale())
         assert stats["mismatch"] == 1 and stats["last_mismatch"]["request_id"] == "stale", stats
