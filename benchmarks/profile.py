@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--short", type=int, default=400)
     parser.add_argument("--long", type=int, default=3000)
     parser.add_argument("--shape", default="clef256", choices=sorted(SHAPES))
+    parser.add_argument("--w", metavar="DIR", help="profile this release folder instead of a built shape "
+                                                  "(for example clefserve/demo)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--prefill-chunk-size", type=int, default=1024)
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     import random
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_shape(args.shape, Path(tmp) / "release")
+        folder = Path(args.w) if args.w else build_shape(args.shape, Path(tmp) / "release")
         decider = ClefDecider(folder, DTYPES[args.dtype], kernels=args.kernels)
         config = EngineConfig(dtype=args.dtype, port=free_port(), max_num_seqs=args.max_num_seqs,
                               prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=1024,
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     seconds["idle + untimed"] = max(0.0, wall - busy)
     tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
     latencies = sorted(result["latencies"])
-    print(f"# shape {args.shape}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
+    model = args.w or f"shape {args.shape}"
+    print(f"# {model}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
           f"{args.threads} threads, concurrency {args.concurrency}, "
           f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "
           f"prefix cache {'off' if args.no_prefix_cache else 'on'}")
