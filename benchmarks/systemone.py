@@ -67,6 +67,15 @@ class Run:
         return percentile([t for t, n in zip(self.latencies, self.tokens, strict=True) if n <= short], 0.95)
 
 
+def round_ratios(base: list[Run], ours: list[Run]) -> str:
+    """Ours against the reference in each round, so that the spread of a noisy machine shows."""
+    if len(base) < 2:
+        return ""
+    ratios = sorted(o.rate / b.rate for b, o in zip(base, ours, strict=True))
+    listed = ", ".join(f"{r:.2f}x" for r in ratios)
+    return f"    per round: {listed} (median {statistics.median(ratios):.2f}x)"
+
+
 def merged(runs: list[Run]) -> Run:
     """Rounds of one measurement as one: requests over the summed wall time, every latency."""
     return Run(sum(r.wall for r in runs), [t for r in runs for t in r.latencies],
@@ -189,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
                     base, ours = merged([b for b, _ in rounds]), merged([o for _, o in rounds])
                     base.report(f"~{size} tokens: reference, 1 at a time")
                     ours.report(f"~{size} tokens: clef-serve, concurrency 1", base)
+                    if spread := round_ratios([b for b, _ in rounds], [o for _, o in rounds]):
+                        print(spread)
                     if size == args.short:
                         alone_short = ours
                 rounds = [(reference.run(fresh(mixed)),
@@ -199,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
                 for i, concurrency in enumerate(args.concurrency):
                     ours = merged([runs[i] for _, runs in rounds])
                     ours.report(f"mixed: clef-serve, concurrency {concurrency}", base)
+                    if spread := round_ratios([b for b, _ in rounds], [runs[i] for _, runs in rounds]):
+                        print(spread)
                     if alone_short is not None:
                         cut = 2 * max(alone_short.tokens)  # records carry the schema's tokens too
                         mixed_p95, alone_p95 = ours.p95_of(cut), alone_short.p95_of(cut)
