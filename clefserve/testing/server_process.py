@@ -43,20 +43,25 @@ class ServerProcess:
                 command, cwd=ROOT, env=environment, stdout=out, stderr=subprocess.STDOUT
             )
 
+    def _probe_ready(self) -> httpx.Response | None:
+        """``GET /ready``, or None while nothing listens; :class:`ServerFailed` once the process exited."""
+        if self.process.poll() is not None:
+            code = self.process.returncode
+            raise ServerFailed(f"clef-serve exited with {code}:\n{self.log.read_text()}")
+        try:
+            return httpx.get(f"{self.url}/ready", timeout=2)
+        except httpx.TransportError:
+            return None
+
     def wait_ready(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                code = self.process.returncode
-                raise ServerFailed(f"clef-serve exited with {code}:\n{self.log.read_text()}")
-            try:
-                response = httpx.get(f"{self.url}/ready", timeout=2)
+            response = self._probe_ready()
+            if response is not None:
                 if response.status_code == 200:
                     return
                 if "failed" in response.json().get("reason", ""):
                     raise ServerFailed(f"clef-serve could not load: {response.text}\n{self.log.read_text()}")
-            except httpx.TransportError:
-                pass
             time.sleep(0.1)
         raise ServerFailed(f"clef-serve not ready after {timeout_s}s:\n{self.log.read_text()}")
 
@@ -65,12 +70,8 @@ class ServerProcess:
         on the way, or the process exiting, is :class:`ServerFailed`: this server must never turn ready."""
         deadline, reason = time.monotonic() + timeout_s, ""
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                code = self.process.returncode
-                raise ServerFailed(f"clef-serve exited with {code}:\n{self.log.read_text()}")
-            try:
-                response = httpx.get(f"{self.url}/ready", timeout=2)
-            except httpx.TransportError:
+            response = self._probe_ready()
+            if response is None:
                 time.sleep(0.2)
                 continue
             if response.status_code != 503:
