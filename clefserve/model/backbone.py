@@ -8,7 +8,7 @@ from torch import nn
 from clefserve.model.cache import DenseCache, ForwardCache, SequenceState
 from clefserve.model.config import BackboneConfig
 from clefserve.model.inputs import SequenceInputs
-from clefserve.model.layers import Batch, DecoderLayer, Linear, RMSNorm
+from clefserve.model.layers import Batch, DecoderLayer, Embedding, Linear, RMSNorm
 from clefserve.model.ops import Ops, reference_ops
 from clefserve.model.ops.rope import mrope_tables
 
@@ -21,7 +21,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops or reference_ops()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.ops) for i in range(config.num_hidden_layers)
         )

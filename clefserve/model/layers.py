@@ -47,6 +47,15 @@ class Batch:
         )
 
 
+class Embedding(nn.Embedding):
+    """Skips its random init on the meta device (how loaders build a model before assigning weights):
+    ``normal_`` there imports torch._dynamo, over a second of every start."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Linear(nn.Linear):
     """A bias-free projection through :func:`clefserve.model.ops.gemm.linear`: a row's result does not
     depend on how many rows share the call, and low-precision weights compute in fp32 on CPUs without fast

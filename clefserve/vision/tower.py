@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clefserve.model.layers import Embedding
 from clefserve.vision.config import VisionConfig
 
 LAYER_NORM_EPS = 1e-6
@@ -139,7 +140,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embed = PatchEmbed(config)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.pos_embed = Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
 

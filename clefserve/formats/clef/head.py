@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from clefserve.errors import ReleaseError
 from clefserve.formats.clef.records import EncodedRecord
+from clefserve.model.layers import Embedding
 from clefserve.model.weights import read_tensors
 
 HEAD_CONFIG_KEYS = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
@@ -226,7 +227,7 @@ class JointSchemaHead(nn.Module):
         self.global_projection = nn.Linear(hidden_size, width, bias=False)
         self.option_context_projection = nn.Linear(hidden_size, width, bias=False)
         self.option_lexical_projection = nn.Linear(hidden_size, width, bias=False)
-        self.type_embedding = nn.Embedding(3, width)
+        self.type_embedding = Embedding(3, width)
         self.evidence_layers = nn.ModuleList(
             EvidenceRoutingLayer(width, heads, feedforward) for _ in range(routing_layers)
         )
