@@ -1,13 +1,19 @@
 """``clef-serve batch`` against the HTTP server, and batch's memory over a long input.
 
-    python -m benchmarks.batch [--records 400] [--rss-lines 100000] [--threads 2]
+    python -m benchmarks.batch [--workload dataset|demo|tiny] [--records N] [--rss-lines 100000] [--threads 2]
 
-1. Throughput on one workload: ``--records`` held-out support tickets of the embedded demo model's task
-   (``clefserve.testing.triage``; the demo model, its default flags), or with ``--workload tiny`` short
-   random tickets on a tiny random release (where the per-request cost of HTTP weighs most), answered
+1. Throughput on one workload, answered
    a. by ``clef-serve batch`` (the engine in-process): records/s over its processing time, from its summary;
    b. by a ``clef-serve`` process with the same flags, called by the official ``typesafe-sdk`` client from 8
       threads (concurrency 8): records/s from the first request to the last answer.
+   The workloads:
+   ``dataset`` (default): the batch tests' file (``clefserve.testing.batch_workload``, 2,000 records): short
+      records whose states repeat, 3% malformed lines, lines over ``--max-body-bytes``, schemas over
+      ``--max-length``, on the tests' tiny random release and engine flags. The client sends every line that
+      is a JSON object (errors come back as errors) and counts the others as errors without a request;
+   ``demo``: 400 held-out support tickets of the embedded demo model's task (``clefserve.testing.triage``;
+      the demo model, its default flags), unique states of ~450 tokens;
+   ``tiny``: 400 short random tickets with unique states on a tiny random release.
    Model loading and the self-check are left out on both sides (the server is ready before the clock
    starts); the wall time of the whole batch command is printed too. Both use ``--threads`` torch threads.
 2. Memory: ``clef-serve batch`` over ``--rss-lines`` lines (a tiny random release, ``--rss-states``
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,8 +66,8 @@ def environment(threads: int) -> dict[str, str]:
 
 
 def batch_command(records: Path, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "clefserve.cli", "batch", str(records), "-o", str(out), "--quiet",
-            "--log-level", "info", *flags]
+    return [sys.executable, "-m", "clefserve.cli", "batch", str(records), "-o", str(out), *flags, "--quiet",
+            "--log-level", "info"]
 
 
 def summary_of(stderr: str) -> dict[str, Any]:
@@ -72,6 +79,7 @@ def summary_of(stderr: str) -> dict[str, Any]:
 
 def run_batch(records: Path, workdir: Path, threads: int, flags: list[str]) -> tuple[dict[str, Any], float]:
     out = workdir / "batch-answers.jsonl"
+    out.unlink(missing_ok=True)  # or batch would resume the last round's run and skip every record
     start = time.perf_counter()
     done = subprocess.run(batch_command(records, out, *flags), cwd=ROOT, env=environment(threads),
                           capture_output=True, text=True, check=False)
@@ -81,23 +89,44 @@ def run_batch(records: Path, workdir: Path, threads: int, flags: list[str]) -> t
     return summary_of(done.stderr), wall
 
 
-def run_sdk(bodies: list[dict[str, Any]], workdir: Path, threads: int, flags: list[str],
-            concurrency: int) -> tuple[float, int]:
+def request_bodies(lines: list[bytes]) -> list[dict[str, Any] | None]:
+    """What a client holds for each input line: the JSON object, or None where the line is not one."""
+    bodies: list[dict[str, Any] | None] = []
+    for line in lines:
+        try:
+            body = json.loads(line)
+        except ValueError:
+            body = None
+        bodies.append(body if isinstance(body, dict) else None)
+    return bodies
+
+
+def run_sdk(bodies: list[dict[str, Any] | None], workdir: Path, threads: int, flags: list[str],
+            concurrency: int) -> tuple[float, int, int]:
+    """(seconds from the first request to the last answer, input tokens answered, records in error)."""
     from typesafe_sdk import RetryPolicy, TypeSafeClient
 
+    first = next(body for body in bodies if body is not None and "questions" in body)
     with ServerProcess(None, workdir / "server.log", *flags, threads=threads) as server, \
             TypeSafeClient(api_key="unused", base_url=server.url, retry=RetryPolicy(max_retries=0),
                            timeout=600) as client:
-        client.system_one(state="warm-up", questions=bodies[0]["questions"], model=bodies[0]["model"])
+        client.system_one(state="warm-up", questions=first["questions"], model=first["model"])
 
-        def ask(body: dict[str, Any]) -> int:
-            result = client.system_one(state=body["state"], questions=body["questions"], model=body["model"])
+        def ask(body: dict[str, Any] | None) -> int | None:
+            if body is None:
+                return None
+            try:
+                result = client.system_one(state=body.get("state"), questions=body.get("questions"),
+                                           model=body.get("model"))
+            except Exception:  # the record's error, as batch writes it
+                return None
             return result.usage.input_tokens
 
         start = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            tokens = sum(pool.map(ask, bodies))
-        return time.perf_counter() - start, tokens
+            answered = list(pool.map(ask, bodies))
+        tokens = sum(t for t in answered if t is not None)
+        return time.perf_counter() - start, tokens, answered.count(None)
 
 
 def tiny_release(workdir: Path) -> Path:
@@ -119,27 +148,61 @@ def tiny_tickets(count: int, seed: int = 5) -> list[dict[str, Any]]:
             for i in range(count)]
 
 
-def throughput(args: argparse.Namespace, workdir: Path) -> None:
+def dataset_release(workdir: Path) -> Path:
+    from clefserve.testing.batch_workload import BATCH_SPEC
+    from clefserve.testing.release import build_release
+
+    return build_release(workdir / "dataset", BATCH_SPEC, seed=31)
+
+
+def workload(args: argparse.Namespace, workdir: Path) -> tuple[Path, list[str], str]:
+    """(the JSONL input, both sides' engine flags, a description)."""
+    from clefserve.testing.batch_workload import ENGINE_FLAGS, make_workload
+
     flags = args.engine_args.split()
+    records = workdir / "records.jsonl"
+    if args.workload == "dataset":
+        log_level = ENGINE_FLAGS.index("--log-level")
+        engine = [*ENGINE_FLAGS[:log_level], *ENGINE_FLAGS[log_level + 2:]]
+        work = make_workload(args.records or 2000, seed=7)
+        work.write(records)
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(work.kinds.items()))
+        return records, ["--w", str(dataset_release(workdir)), *engine, *flags], \
+            f"lines of the batch tests' file ({kinds}), tiny random release"
     if args.workload == "tiny":
-        flags = ["--w", str(tiny_release(workdir)), *flags]
-        bodies, what = tiny_tickets(args.records), "short random tickets, tiny random release"
-    else:
-        bodies, what = demo_tickets(args.records), "demo tickets, demo model"
-    records = write_jsonl(workdir / "tickets.jsonl", bodies)
-    print(f"throughput: {len(bodies)} {what}, {args.threads} torch threads, flags "
-          f"{' '.join(flags) or '(defaults)'}", flush=True)
-    sdk_wall, sdk_tokens = run_sdk(bodies, workdir, args.threads, flags, args.concurrency)
-    sdk_rate = len(bodies) / sdk_wall
-    print(f"  HTTP server + typesafe-sdk, concurrency {args.concurrency}: {sdk_rate:7.2f} records/s "
-          f"{sdk_tokens / sdk_wall:9.0f} tokens/s  ({sdk_wall:.1f} s)", flush=True)
-    summary, wall = run_batch(records, workdir, args.threads, flags)
-    rate = summary["records_per_s"]
-    tokens_per_s = summary["tokens_per_s"]
-    print(f"  clef-serve batch (in-process engine):      {rate:7.2f} records/s {tokens_per_s:9.0f} "
-          f"tokens/s  ({summary['elapsed_s']:.1f} s; {wall:.1f} s with loading and self-check; "
-          f"{100 * summary['cached_share']:.1f}% cached)", flush=True)
-    print(f"  batch / HTTP: {rate / sdk_rate:.2f}x", flush=True)
+        write_jsonl(records, tiny_tickets(args.records or 400))
+        release = tiny_release(workdir)
+        return records, ["--w", str(release), *flags], "short random tickets, tiny random release"
+    write_jsonl(records, demo_tickets(args.records or 400))
+    return records, flags, "demo tickets, demo model"
+
+
+def throughput(args: argparse.Namespace, workdir: Path) -> None:
+    records, flags, what = workload(args, workdir)
+    bodies = request_bodies(records.read_bytes().splitlines())
+    print(f"throughput: {len(bodies)} {what}; {args.threads} torch threads, flags "
+          f"{' '.join(flags) or '(defaults)'}; {args.rounds} rounds, the side that goes first alternates",
+          flush=True)
+    ratios = []
+    for round_number in range(args.rounds):
+        rates: dict[str, float] = {}
+        for side in ("http", "batch") if round_number % 2 == 0 else ("batch", "http"):
+            if side == "http":
+                wall, tokens, errors = run_sdk(bodies, workdir, args.threads, flags, args.concurrency)
+                rates[side] = len(bodies) / wall
+                print(f"  HTTP server + typesafe-sdk, concurrency {args.concurrency}: {rates[side]:7.2f} "
+                      f"records/s {tokens / wall:9.0f} tokens/s  ({wall:.1f} s; {errors} errors)", flush=True)
+            else:
+                summary, wall = run_batch(records, workdir, args.threads, flags)
+                rates[side] = summary["records_per_s"]
+                print(f"  clef-serve batch (in-process engine):      {rates[side]:7.2f} records/s "
+                      f"{summary['tokens_per_s']:9.0f} tokens/s  ({summary['elapsed_s']:.1f} s; {wall:.1f} s "
+                      f"with loading and self-check; {100 * summary['cached_share']:.1f}% cached; "
+                      f"{summary['errors']} errors)", flush=True)
+        ratios.append(rates["batch"] / rates["http"])
+        print(f"  round {round_number + 1}: batch / HTTP {ratios[-1]:.2f}x", flush=True)
+    print(f"  batch / HTTP over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x, "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
 
 
 def rss_bytes(pid: int) -> int:
@@ -214,9 +277,10 @@ def memory(args: argparse.Namespace, workdir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--records", type=int, default=400, help="tickets for the throughput comparison")
-    parser.add_argument("--workload", choices=["demo", "tiny"], default="demo")
+    parser.add_argument("--workload", choices=["dataset", "demo", "tiny"], default="dataset")
+    parser.add_argument("--records", type=int, help="records of the workload (2,000 dataset, 400 others)")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds, HTTP and batch in each")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--engine-args", default="", help="extra engine flags for both sides")
     parser.add_argument("--rss-lines", type=int, default=100_000)

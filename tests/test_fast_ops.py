@@ -9,7 +9,7 @@ import torch
 
 from clefserve.model.ops.attention import causal_attention, causal_attention_split_cpu
 from clefserve.model.ops.delta_rule import gated_delta_rule_varlen
-from clefserve.model.ops.delta_rule_batched import chunk_gated_delta_rule_batched
+from clefserve.model.ops.delta_rule_batched import chunk_gated_delta_rule_batched, gated_delta_rule_cpu
 from clefserve.model.ops.select import select_ops
 
 
@@ -69,6 +69,39 @@ def test_batched_delta_rule_in_bf16_keeps_an_fp32_state():
     assert (state - want_state).abs().max().item() <= 1e-4
 
 
+def _step(lens: tuple[int, ...], pasts: tuple[int, ...], dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    rows, count = sum(lens), len(lens)
+    q, k = torch.randn(rows, 2, dim, generator=gen), torch.randn(rows, 2, dim, generator=gen)
+    v = torch.randn(rows, 4, dim, generator=gen)
+    g, beta = -torch.rand(rows, 4, generator=gen) * 2, torch.rand(rows, 4, generator=gen)
+    initial = torch.randn(count, 4, dim, dim, generator=gen) * 0.1
+    return q, k, v, g, beta, initial, lens, pasts
+
+
+@pytest.mark.parametrize(("lens", "pasts", "dim", "batched"), [
+    ((40, 120, 64, 9), (36, 0, 100, 500), 16, True),  # several short pieces, small heads: one batched call
+    ((300, 200), (0, 64), 32, False),  # long pieces
+    ((40, 120, 64), (0, 0, 7), 64, False),  # large heads
+    ((40, 3, 64), (0, 0, 7), 16, False),  # a piece for the recurrent form
+    ((100,), (17,), 16, False),  # one sequence
+])
+def test_cpu_delta_rule_choice_keeps_every_sequence_s_numbers(monkeypatch, lens, pasts, dim, batched):
+    """Whichever form the step gets, each sequence's output and state are those of the per-sequence
+    reference (the chunked forms do the same arithmetic): the choice cannot break batch invariance."""
+    import clefserve.model.ops.delta_rule_batched as module
+
+    calls = []
+    monkeypatch.setattr(module, "chunk_gated_delta_rule_batched",
+                        lambda *a: calls.append(a) or chunk_gated_delta_rule_batched(*a))
+    args = _step(lens, pasts, dim, seed=sum(lens))
+    out, state = gated_delta_rule_cpu(*args)
+    want_out, want_state = gated_delta_rule_varlen(*args)
+    assert bool(calls) == batched
+    assert (out - want_out).abs().max().item() <= 1e-6
+    assert (state - want_state).abs().max().item() <= 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (8, 2), (4, 1)])
 def test_split_attention_equals_masked_attention(dtype, heads, kv_heads):
@@ -90,7 +123,7 @@ def test_kernel_selection():
     assert reference.name == "torch-reference"
     assert reference.kernels()["gated_delta_rule"] == "delta_rule.gated_delta_rule_varlen"
     fast = select_ops(cpu, torch.float32, "auto")
-    assert fast.kernels()["gated_delta_rule"] == "delta_rule.gated_delta_rule_varlen"  # faster per sequence
+    assert fast.kernels()["gated_delta_rule"] == "delta_rule_batched.gated_delta_rule_cpu"
     assert fast.kernels()["causal_attention"] == "attention.causal_attention_split_cpu"
     with pytest.raises(ValueError, match="--kernels"):
         select_ops(cpu, torch.float32, "fastest")

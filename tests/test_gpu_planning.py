@@ -77,7 +77,7 @@ def test_f16_keeps_gates_norms_and_the_recurrent_state_in_fp32(make_release):
 
 def test_cpu_auto_never_imports_fla_or_triton():
     ops = select_ops(CPU, torch.float32, "auto")
-    assert ops.kernels()["gated_delta_rule"] == "delta_rule.gated_delta_rule_varlen"
+    assert ops.kernels()["gated_delta_rule"] == "delta_rule_batched.gated_delta_rule_cpu"
     assert "fla" not in sys.modules and "triton" not in sys.modules
 
 

@@ -29,6 +29,7 @@ from clefserve.engine.runner import ModelRunner
 from clefserve.engine.scheduler import Scheduler, StepPlan
 from clefserve.engine.sequence import FinishedSequence, Sequence, Status
 from clefserve.engine.state_pool import StatePool
+from clefserve.engine.threads import EngineThreads
 from clefserve.errors import RequestError
 from clefserve.model.backbone import Backbone
 from clefserve.model.inputs import InputsProvider, SequenceInputs
@@ -78,6 +79,9 @@ class Engine:
                 model.dtype, model.device,
             )
         self.runner = ModelRunner(model, self.kv, self.states)
+        self.threads = EngineThreads(mc.hidden_size, config.prefill_chunk_size, model.device)
+        self.threads.apply()
+        log.info("threads: %s", self.threads.describe())
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
             self.prefix_cache = PrefixCache(
@@ -279,6 +283,7 @@ class Engine:
         return fut.result()
 
     def _loop(self) -> None:
+        self.threads.apply()
         with torch.inference_mode():
             self._serve()
 

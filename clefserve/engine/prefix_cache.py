@@ -103,6 +103,8 @@ class SeqPrefix:
     points: list[int] = field(default_factory=list)  # ascending; taken when num_computed reaches them
     resume: Resume | None = None
     parked_on: tuple[Sequence, int] | None = None  # waits for this running sequence to reach this point
+    # leading tokens shared with other sequences, by their seq_id (asked again at every admission round)
+    common: dict[int, int] = field(default_factory=dict)
 
 
 class PrefixCache:

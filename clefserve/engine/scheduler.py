@@ -213,7 +213,9 @@ class Scheduler:
                 continue
             if seq.keep_hidden and not other.keep_hidden:
                 continue
-            common = self._common_prefix(seq, other)
+            common = info.common.get(other.seq_id)
+            if common is None:
+                common = info.common[other.seq_id] = self._common_prefix(seq, other)
             for p in points:
                 if have < p <= common and p <= seq.num_tokens and (best is None or p > best[1]):
                     best = (other, p)

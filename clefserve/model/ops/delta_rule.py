@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 CHUNK = 64
 BLOCK = 16  # diagonal block size of the triangular inverse
+RECURRENT_MAX = 4  # pieces of up to this many tokens take the recurrent form
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -173,7 +174,7 @@ def gated_delta_rule(
     past: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: the recurrent form for a few tokens and the chunked form for many."""
-    if q.shape[0] <= 4:
+    if q.shape[0] <= RECURRENT_MAX:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)
     return chunk_gated_delta_rule(q, k, v, g, beta, state, past)
 

@@ -12,15 +12,23 @@ positions, UT transform inside a chunk), arranged so that few, large batched mat
 Layouts: chunk-major ``[chunks, HV, C, d]``, chunks in scan order (all sequences' first chunks, then the
 second chunks of those that have one, ...), so each scan step reads contiguous slices.
 
-On a GPU this turns one launch per chunk per sequence into one per chunk step. On a CPU the per-sequence form
-is faster (its per-chunk matmuls are already large), so the CPU path does not use this one.
+On a GPU this turns one launch per chunk per sequence into one per chunk step. On a CPU it pays only where
+the step's work is many small pieces with small heads (the cost is then the number of ops, ~75 per piece);
+with large heads or long pieces the per-sequence form's matmuls are already large and it is faster.
+:func:`gated_delta_rule_cpu` chooses between the two per step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from clefserve.model.ops.delta_rule import CHUNK, unit_lower_inverse
+from clefserve.model.ops.delta_rule import CHUNK, RECURRENT_MAX, gated_delta_rule_varlen, unit_lower_inverse
+
+# Where the step-batched form beat the per-sequence one on a 2-core CPU (fp32, 2 threads; min of 15 runs):
+# 1.2-2.6x for 2-12 pieces of 20-300 tokens with 16- or 32-wide heads; 0.8-0.95x with 128-wide heads or
+# pieces of 200-1000 tokens.
+SMALL_STATE = 32 * 32  # key dim x value dim of a head
+SHORT_PIECE = 160  # mean tokens per piece
 
 
 def _normalised(q: torch.Tensor, k: torch.Tensor, heads_v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,3 +133,27 @@ def chunk_gated_delta_rule_batched(
     by_batch = torch.empty_like(final)
     by_batch[plan.order] = final
     return out.to(out_dtype), by_batch
+
+
+def gated_delta_rule_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    past_lens: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's choice per step: the step-batched form for several short pieces with small heads, else one
+    call per sequence. A step with a piece short enough for the recurrent form goes per sequence, so a
+    sequence's numbers never depend on its neighbours (both chunked forms do the same arithmetic)."""
+    many_small = (
+        len(seq_lens) >= 2
+        and k.shape[-1] * v.shape[-1] <= SMALL_STATE
+        and sum(seq_lens) <= SHORT_PIECE * len(seq_lens)
+        and min(seq_lens) > RECURRENT_MAX
+    )
+    if many_small:
+        return chunk_gated_delta_rule_batched(q, k, v, g, beta, initial, seq_lens, past_lens)
+    return gated_delta_rule_varlen(q, k, v, g, beta, initial, seq_lens, past_lens)

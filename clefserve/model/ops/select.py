@@ -31,7 +31,7 @@ import torch
 from clefserve.errors import StartupError
 from clefserve.model.device import DTYPE_NAMES, DeviceFacts, device_facts
 from clefserve.model.ops import attention, attention_fused, conv, delta_rule, gemm, triton_interpreter
-from clefserve.model.ops.delta_rule_batched import chunk_gated_delta_rule_batched
+from clefserve.model.ops.delta_rule_batched import chunk_gated_delta_rule_batched, gated_delta_rule_cpu
 from clefserve.model.ops.interface import Ops, reference_ops
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,10 @@ def select_ops(
         return _cuda_ops(device, dtype, mode, shapes or OpShapes(), facts)
     if mode == "fast":
         return _interpreter_ops(dtype, facts)
-    # The delta rule stays per sequence on a CPU: its per-chunk matmuls are already large there, and the
-    # step-batched form (which saves launches on a GPU without fla) measured slower (benchmarks/README.md).
-    ops = replace(reference_ops(), name="torch-fast", causal_attention=attention.causal_attention_split_cpu)
+    # The delta rule is step-batched only for many small pieces with small heads (where the op count is the
+    # cost); elsewhere the per-sequence form's matmuls are already large (benchmarks/README.md).
+    ops = replace(reference_ops(), name="torch-fast", causal_attention=attention.causal_attention_split_cpu,
+                  gated_delta_rule=gated_delta_rule_cpu)
     why = ("cpu: torch ops, attention split into history + causal block (fla's Triton kernels need a GPU, or "
            "--kernels fast under TRITON_INTERPRET=1)")
     return replace(ops, reasons=(("all", why),))
