@@ -80,8 +80,9 @@ def _step(lens: tuple[int, ...], pasts: tuple[int, ...], dim: int, seed: int):
 
 
 @pytest.mark.parametrize(("lens", "pasts", "dim", "batched"), [
-    ((40, 120, 64, 9), (36, 0, 100, 500), 16, True),  # several short pieces, small heads: one batched call
-    ((300, 200), (0, 64), 32, False),  # long pieces
+    ((40, 120, 64, 9), (36, 0, 100, 500), 32, True),  # several short pieces, small heads: one batched call
+    ((300, 200, 250), (0, 64, 0), 16, True),  # longer pieces, 16-wide heads: still little work each
+    ((300, 200), (0, 64), 32, False),  # long pieces for 32-wide heads
     ((40, 120, 64), (0, 0, 7), 64, False),  # large heads
     ((40, 3, 64), (0, 0, 7), 16, False),  # a piece for the recurrent form
     ((100,), (17,), 16, False),  # one sequence

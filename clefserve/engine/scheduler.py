@@ -24,8 +24,6 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from clefserve.engine.errors import QueueFullError, tokens_exceeded
 from clefserve.engine.kv_pool import BlockAllocator
 from clefserve.engine.prefix_cache import PrefixCache
@@ -223,13 +221,21 @@ class Scheduler:
         return best is not None
 
     def _common_prefix(self, a: Sequence, b: Sequence) -> int:
-        """Leading tokens the two sequences share, as the prefix cache compares them."""
-        if a.cache_keys is None and b.cache_keys is None:
-            return _common_prefix(a.token_ids, b.token_ids)
+        """Leading tokens the two sequences share, as the prefix cache compares them (whole blocks first,
+        as tuples: a few microseconds where tensor ops took tens, asked for every new pair of sequences)."""
         assert self.cache is not None
-        keys_a, keys_b = self.cache.track(a).tokens, self.cache.track(b).tokens
-        m = min(len(keys_a), len(keys_b))
-        return next((i for i in range(m) if keys_a[i] != keys_b[i]), m)
+        info_a, info_b = self.cache.track(a), self.cache.track(b)
+        blocks = 0
+        for key_a, key_b in zip(info_a.keys, info_b.keys, strict=False):
+            if key_a != key_b:
+                break
+            blocks += 1
+        tokens_a, tokens_b = info_a.tokens, info_b.tokens
+        end = min(len(tokens_a), len(tokens_b))
+        i = blocks * self.cache.block_size
+        while i < end and tokens_a[i] == tokens_b[i]:
+            i += 1
+        return i
 
     def complete(self, plan: StepPlan) -> list[Sequence]:
         """Advance the step's sequences, snapshot those at a snapshot point; release and return those
@@ -285,8 +291,3 @@ class Scheduler:
             self.cache.enforce_budget()  # blocks only the cache holds now count against its budget
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Length of the longest common prefix of two token tensors."""
-    m = min(a.shape[0], b.shape[0])
-    differ = (a[:m] != b[:m]).nonzero()
-    return int(differ[0, 0]) if differ.numel() else m

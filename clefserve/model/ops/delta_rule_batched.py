@@ -24,11 +24,11 @@ import torch
 
 from clefserve.model.ops.delta_rule import CHUNK, RECURRENT_MAX, gated_delta_rule_varlen, unit_lower_inverse
 
-# Where the step-batched form beat the per-sequence one on a 2-core CPU (fp32, 2 threads; min of 15 runs):
-# 1.2-2.6x for 2-12 pieces of 20-300 tokens with 16- or 32-wide heads; 0.8-0.95x with 128-wide heads or
-# pieces of 200-1000 tokens.
-SMALL_STATE = 32 * 32  # key dim x value dim of a head
-SHORT_PIECE = 160  # mean tokens per piece
+# Where the step-batched form beat the per-sequence one on a 2-core CPU (fp32, 2 threads; min of 10-30 runs):
+# 1.2-2.6x for 2-12 pieces of 20-300 tokens with 16-wide heads and of 20-160 with 32-wide ones; 0.65-0.95x
+# for 32-wide heads over 200-300-token pieces and for 128-wide heads. Per piece, the work grows with its
+# tokens x key dim x value dim, the saving is a fixed ~75 ops: it pays while the mean piece's work is small.
+SMALL_WORK = 160 * 32 * 32  # mean tokens per piece x key dim x value dim
 
 
 def _normalised(q: torch.Tensor, k: torch.Tensor, heads_v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,13 +145,12 @@ def gated_delta_rule_cpu(
     seq_lens: tuple[int, ...],
     past_lens: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU's choice per step: the step-batched form for several short pieces with small heads, else one
+    """The CPU's choice per step: the step-batched form for several pieces of little work each, else one
     call per sequence. A step with a piece short enough for the recurrent form goes per sequence, so a
     sequence's numbers never depend on its neighbours (both chunked forms do the same arithmetic)."""
     many_small = (
         len(seq_lens) >= 2
-        and k.shape[-1] * v.shape[-1] <= SMALL_STATE
-        and sum(seq_lens) <= SHORT_PIECE * len(seq_lens)
+        and sum(seq_lens) * k.shape[-1] * v.shape[-1] <= SMALL_WORK * len(seq_lens)
         and min(seq_lens) > RECURRENT_MAX
     )
     if many_small:
