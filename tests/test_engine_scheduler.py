@@ -59,6 +59,18 @@ def test_a_record_that_fits_in_one_budget_keeps_its_step_short():
     assert finished == ["s", "long"]
 
 
+def test_cuts_that_leave_a_record_unfinished_end_on_delta_rule_chunk_boundaries():
+    """A chunk of 64 positions cut in two would be computed by both pieces: a long record's pieces end on
+    multiples of 64, up when the step has room, else down (each piece keeping most of its share)."""
+    scheduler = _scheduler(blocks=1000, slots=3, block_size=16, budget=1000)
+    for n, name in [(3000, "long"), (300, "short")]:
+        scheduler.add(_seq(n, name))
+    steps, finished = _drain(scheduler)
+    assert steps[0] == [("short", 300), ("long", 256)]  # a quarter of the budget (250), up to 256
+    assert steps[1:] == [[("long", 960)], [("long", 960)], [("long", 824)]]  # 1,216 and 2,176: down
+    assert finished == ["short", "long"]
+
+
 def test_a_long_record_is_never_passed_over_more_than_the_starvation_limit():
     scheduler = _scheduler(blocks=1000, slots=3, block_size=4, budget=8)
     scheduler.add(_seq(64, "long"))

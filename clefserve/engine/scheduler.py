@@ -30,6 +30,7 @@ from clefserve.engine.prefix_cache import PrefixCache
 from clefserve.engine.sequence import Sequence, Status
 from clefserve.engine.state_pool import SlotAllocator
 from clefserve.errors import RequestError
+from clefserve.model.ops.delta_rule import CHUNK as DELTA_RULE_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class Scheduler:
         for seq in order:
             is_long = seq.num_pending > short
             n = min(seq.num_pending, budget, long_left if is_long else budget)
+            if n < seq.num_pending:
+                n = _chunk_aligned(seq.num_computed, n, min(seq.num_pending, budget) - n)
             if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
                 n = min(n, seq.prefix.points[0] - seq.num_computed)
             if n > 0:
@@ -291,3 +294,15 @@ class Scheduler:
             self.cache.enforce_budget()  # blocks only the cache holds now count against its budget
 
 
+def _chunk_aligned(computed: int, n: int, room: int) -> int:
+    """Where a cut leaves a sequence unfinished, end it on a delta-rule chunk boundary (absolute positions):
+    a chunk cut in two is computed in full by both pieces, and with long records held to a quarter of the
+    budget beside short ones, unaligned cuts cost ~10% more delta-rule time. Up to the boundary when
+    ``room`` (tokens the step could still give it) allows, else down to it unless that drops over a quarter
+    of ``n``."""
+    end = computed + n
+    up = -end % DELTA_RULE_CHUNK
+    if up <= room:
+        return n + up
+    down = end % DELTA_RULE_CHUNK
+    return n - down if 4 * (n - down) >= 3 * n else n
