@@ -91,8 +91,11 @@ def test_a_failing_step_fails_only_its_sequences(model):
     config = small_config(max_num_seqs=2, prefill_chunk_size=16)
     engine = Engine(model, config, lambda fs: [f.payload for f in fs])
     real_run = engine.runner.run
+    boom_submitted = threading.Event()
 
     def run(chunks):
+        # "a" must not finish before "boom" is in: then their last pieces share a step (SRPT order)
+        boom_submitted.wait(30)
         if any(seq.payload == "boom" for seq, _ in chunks):
             raise RuntimeError("injected")
         return real_run(chunks)
@@ -102,6 +105,7 @@ def test_a_failing_step_fails_only_its_sequences(model):
         ids = [random_ids(model.config.vocab_size, n, gen) for n in (40, 40, 40, 40)]
         good = engine.submit(ids[0], payload="a")
         bad = engine.submit(ids[1], payload="boom")
+        boom_submitted.set()
         later = [engine.submit(x, payload=p) for x, p in zip(ids[2:], "cd", strict=True)]
         with pytest.raises(RuntimeError, match="injected"):
             bad.result(timeout=30)

@@ -131,7 +131,7 @@ class Scheduler:
         for seq in order:
             is_long = seq.num_pending > short
             n = min(seq.num_pending, budget, long_left if is_long else budget)
-            if n < seq.num_pending:
+            if DELTA_RULE_CHUNK <= n < seq.num_pending:  # (steps under a chunk are cut anywhere)
                 n = _chunk_aligned(seq.num_computed, n, min(seq.num_pending, budget) - n)
             if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
                 n = min(n, seq.prefix.points[0] - seq.num_computed)
