@@ -66,6 +66,7 @@ def environment(threads: int) -> dict[str, str]:
 
 
 def batch_command(records: Path, out: Path, *flags: str) -> list[str]:
+    """(``--log-level info`` comes last, over any level in ``flags``: the summary is read from the log)"""
     return [sys.executable, "-m", "clefserve.cli", "batch", str(records), "-o", str(out), *flags, "--quiet",
             "--log-level", "info"]
 
@@ -162,12 +163,10 @@ def workload(args: argparse.Namespace, workdir: Path) -> tuple[Path, list[str], 
     flags = args.engine_args.split()
     records = workdir / "records.jsonl"
     if args.workload == "dataset":
-        log_level = ENGINE_FLAGS.index("--log-level")
-        engine = [*ENGINE_FLAGS[:log_level], *ENGINE_FLAGS[log_level + 2:]]
         work = make_workload(args.records or 2000, seed=7)
         work.write(records)
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(work.kinds.items()))
-        return records, ["--w", str(dataset_release(workdir)), *engine, *flags], \
+        return records, ["--w", str(dataset_release(workdir)), *ENGINE_FLAGS, *flags], \
             f"lines of the batch tests' file ({kinds}), tiny random release"
     if args.workload == "tiny":
         write_jsonl(records, tiny_tickets(args.records or 400))

@@ -10,14 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clefserve.testing.batch_workload import (  # noqa: F401 (the tests' names for the workload)
-    BATCH_SPEC,
-    ENGINE_FLAGS,
-    MAX_BODY_BYTES,
-    MAX_LENGTH,
-    Workload,
-    make_workload,
-)
+from clefserve.testing.batch_workload import ENGINE_FLAGS
 from clefserve.testing.server_process import ROOT
 
 RAW_TOLERANCE = 1e-5

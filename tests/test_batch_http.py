@@ -23,18 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
+from clefserve.testing.batch_workload import BATCH_SPEC, ENGINE_FLAGS, MAX_BODY_BYTES, Workload, make_workload
 from clefserve.testing.server_process import ROOT, ServerProcess
 from tests.batch_support import (
-    BATCH_SPEC,
-    ENGINE_FLAGS,
-    MAX_BODY_BYTES,
-    Workload,
     assert_same_answer,
     assert_same_line,
     batch_command,
     batch_env,
     by_id,
-    make_workload,
     read_output,
     run_batch,
     summary_of,

@@ -20,8 +20,9 @@ from clefserve.formats.clef import ClefDecider
 from clefserve.formats.clef.engine_backend import EngineBackend
 from clefserve.server import create_app
 from clefserve.server.status import StatusResponse
+from clefserve.testing.batch_workload import MAX_BODY_BYTES
 from clefserve.testing.release import ReleaseSpec, VisionSpec
-from tests.batch_support import MAX_BODY_BYTES, RAW_TOLERANCE, read_output, run_batch
+from tests.batch_support import RAW_TOLERANCE, read_output, run_batch
 from tests.engine_support import audits_concluded
 from tests.image_samples import as_base64, as_data_url, file_bytes, picture
 
