@@ -10,7 +10,7 @@ import pytest
 
 from clefserve.config import EngineConfig
 from clefserve.formats.clef import ClefDecider
-from clefserve.formats.clef.canary import LONG_MARGIN_TOKENS, build_canaries
+from clefserve.formats.clef.canary import LONG_MARGIN_TOKENS, build_canaries, coverage
 from clefserve.formats.clef.engine_backend import EngineBackend
 
 
@@ -95,3 +95,20 @@ def test_without_the_prefix_cache_the_log_says_what_was_not_checked(decider: Cle
     text = _run_check(decider, caplog, prefill_chunk_size=200, prefix_cache=False)
     assert "shared state NOT resumed" in text
     assert "no canary resumed a shared state from the prefix cache (--no-prefix-cache)" in text
+
+
+def test_a_piece_that_ends_inside_the_long_state_counts_as_a_budget_split(decider: ClefDecider) -> None:
+    """Whether or not its step used the whole budget: the scheduler may end a cut on a delta-rule chunk
+    boundary and leave the rest of the budget unused (the demo model's canary at chunk 1024 runs so)."""
+    canaries, _ = build_canaries(decider.encode, 1024, 16384)
+    long, record = canaries[0], canaries[0].record
+    fresh = long.tokens - record.prefix_end
+    served = [{"usage": {"x_cached_tokens": record.prefix_end}}, {"usage": {}},
+              {"usage": {"x_cached_tokens": canaries[2].record.state_end}}]
+    inside = 64 * (record.prefix_end // 64 + 2) - record.prefix_end  # ends on a chunk boundary in the state
+    steps = [((7, inside), (8, 100)), ((7, fresh - inside),)]  # neither step is full
+    covered = coverage(canaries, served, steps)
+    assert covered.long_chunks == [inside, fresh - inside] and covered.budget_split
+    at_the_end = coverage(canaries, served, [((7, record.state_end - record.prefix_end),),
+                                             ((7, long.tokens - record.state_end),)])
+    assert not at_the_end.budget_split  # cut only at the state's end (a snapshot point)

@@ -262,21 +262,21 @@ class Coverage:
 
 
 def coverage(canaries: Sequence[Canary], served: Sequence[dict[str, Any]],
-             steps: Sequence[Sequence[tuple[int, int]]], chunk_tokens: int) -> Coverage:
+             steps: Sequence[Sequence[tuple[int, int]]]) -> Coverage:
     """``steps``: the engine's ``((seq_id, tokens), ...)`` of each step the canaries ran in."""
     long, shared_b = canaries[0], canaries[2]
     computed = long.tokens - served[0]["usage"].get("x_cached_tokens", 0)
-    runs: dict[int, list[tuple[int, bool]]] = {}  # per sequence: (tokens, the step used the whole budget)
+    runs: dict[int, list[int]] = {}  # per sequence: its tokens in each step
     for step in steps:
-        full = sum(n for _, n in step) == chunk_tokens
         for seq_id, n in step:
-            runs.setdefault(seq_id, []).append((n, full))
-    long_run = next((run for run in runs.values() if sum(n for n, _ in run) == computed), [])
+            runs.setdefault(seq_id, []).append(n)
+    long_chunks = next((run for run in runs.values() if sum(run) == computed), [])
+    # no snapshot point lies inside the state, so a piece that ends there was cut by the step's budget
+    # (whether or not the step used all of it: the scheduler ends cuts on delta-rule chunk boundaries)
     position, split = long.tokens - computed, False
-    for n, full in long_run:
+    for n in long_chunks:
         position += n
-        split |= full and long.record.prefix_end < position < long.record.state_end
-    long_chunks = [n for n, _ in long_run]
+        split |= long.record.prefix_end < position < long.record.state_end
     cached = served[2]["usage"].get("x_cached_tokens", 0) >= shared_b.record.state_end
     return Coverage(long_chunks, split, cached, sum(1 for step in steps if len(step) > 1))
 

@@ -268,7 +268,7 @@ class EngineBackend:
             return problems
         new_steps = engine.stats()["steps"] - steps_before
         trace = engine.recent_steps()[-new_steps:] if new_steps > 0 else []
-        covered = canaries_module.coverage(canaries, served, trace, chunk)
+        covered = canaries_module.coverage(canaries, served, trace)
         self._check_failure = None
         self._reason = "ready"
         log.info("startup self-check passed (%s ops) in %.1f s (serving path %.1f s, reference path "
