@@ -162,6 +162,7 @@ def run_client(url: str, requests: list[dict], concurrency: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.shapes import SHAPES, build_shape
     from benchmarks.workload import make_request
+    from clefserve.engine.openmp import release_thread_team
     from clefserve.formats.clef import ClefDecider
     from clefserve.formats.clef.engine_backend import EngineBackend
 
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = [make_request(decider.encoder, args.short, rng), make_request(decider.encoder, args.long, rng)]
         requests = [make_request(decider.encoder, n, rng) for n in lengths]
         rng.shuffle(requests)
+        release_thread_team()  # this thread's torch work is done (as the server's loading thread does)
         run_client(url, warm, 2)
 
         timers = Timers(torch.cuda.synchronize if decider.backbone.device.type == "cuda" else lambda: None)

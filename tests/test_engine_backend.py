@@ -164,3 +164,26 @@ def test_the_self_check_fits_the_smallest_queue(make_release):
     finally:
         assert backend.engine is not None
         backend.engine.shutdown()
+
+
+def test_threads_that_did_torch_work_let_their_openmp_team_go(decider, monkeypatch):
+    """The loading thread (also when loading fails) and a request's encoding thread release their OpenMP
+    team when done: an idle team beside the engine's made every op of a step wait on the kernel."""
+    import threading
+
+    from clefserve.formats.clef import engine_backend
+
+    released: list[int] = []
+    monkeypatch.setattr(engine_backend, "release_thread_team", lambda: released.append(threading.get_ident()))
+
+    def fail() -> ClefDecider:
+        raise RuntimeError("no weights")
+
+    backend = EngineBackend.loading(fail, _config(), "clef-test")
+    backend._run_load()
+    assert released == [threading.get_ident()] and not backend.ready()[0]
+
+    released.clear()
+    body = RequestGenerator(seed=5).request(long_state=False, max_questions=2)
+    record, _ = EngineBackend._prepare(decider, body)
+    assert record.input_ids and released == [threading.get_ident()]

@@ -71,6 +71,22 @@ def test_cuts_that_leave_a_record_unfinished_end_on_delta_rule_chunk_boundaries(
     assert finished == ["short", "long"]
 
 
+def test_no_piece_is_a_sliver_of_leftover_budget():
+    """A long record cut down to a chunk boundary leaves a few tokens of the budget; the next long record
+    does not run them as a piece of its own (every per-piece op and a cut chunk, for 40 tokens)."""
+    scheduler = _scheduler(blocks=1000, slots=3, block_size=16, budget=1000)
+    for name in ("a", "b"):
+        scheduler.add(_seq(3000, name))
+    steps, finished = _drain(scheduler)
+    assert steps[0] == [("a", 960)]  # not [("a", 960), ("b", 40)]
+    left = {"a": 3000, "b": 3000}
+    for step in steps:
+        for name, n in step:
+            left[name] -= n
+            assert n >= 64 or left[name] == 0, steps
+    assert sorted(finished) == ["a", "b"]
+
+
 def test_a_long_record_is_never_passed_over_more_than_the_starvation_limit():
     scheduler = _scheduler(blocks=1000, slots=3, block_size=4, budget=8)
     scheduler.add(_seq(64, "long"))

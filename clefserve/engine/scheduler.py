@@ -4,7 +4,9 @@
   nothing behind a head that does not fit yet is admitted before it (no starvation).
 - At most ``max_num_seqs`` running. All blocks are reserved at admission, so prefill never preempts.
 - Each step spends ``token_budget`` tokens over the running sequences, shortest remaining work first, so a
-  short record is not stuck behind a long one; a long record runs as several chunks. While a short record
+  short record is not stuck behind a long one; a long record runs as several chunks, each ending on a
+  delta-rule chunk boundary and none a sliver of leftover budget (under a delta-rule chunk, or a quarter of
+  the budget if smaller) unless it finishes the record or reaches a snapshot point. While a short record
   (at most one budget left) runs, long records share at most a quarter of the budget, so the steps a
   short record waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps
   in a row goes first (oldest first), so none starves.
@@ -128,13 +130,19 @@ class Scheduler:
         # a quarter of the budget: its steps stay short, so it answers after a few short steps (one per
         # snapshot point) instead of after as many full ones
         long_left = budget // 4 if any(seq.num_pending <= short for seq in order) else budget
+        min_piece = min(DELTA_RULE_CHUNK, budget // 4)
         for seq in order:
             is_long = seq.num_pending > short
             n = min(seq.num_pending, budget, long_left if is_long else budget)
             if DELTA_RULE_CHUNK <= n < seq.num_pending:  # (steps under a chunk are cut anywhere)
                 n = _chunk_aligned(seq.num_computed, n, min(seq.num_pending, budget) - n)
+            at_point = False
             if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
-                n = min(n, seq.prefix.points[0] - seq.num_computed)
+                to_point = seq.prefix.points[0] - seq.num_computed
+                at_point = n >= to_point
+                n = min(n, to_point)
+            if n < min_piece and n < seq.num_pending and not at_point:
+                n = 0  # a sliver of leftover budget: a step's fixed cost for a few tokens, and a cut chunk
             if n > 0:
                 plan.chunks.append((seq, n))
                 budget -= n

@@ -24,6 +24,7 @@ import torch
 
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
+from clefserve.engine.openmp import release_thread_team
 from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.answers import probabilities
 from clefserve.formats.clef.audit import Auditor, disabled_stats
@@ -186,6 +187,12 @@ class EngineBackend:
             asyncio.get_running_loop().run_in_executor(None, self._run_load)
 
     def _run_load(self) -> None:
+        try:
+            self._load_and_check()
+        finally:  # this thread's torch work is done: its idle OpenMP team would slow the engine's
+            release_thread_team()
+
+    def _load_and_check(self) -> None:
         assert self._load is not None
         try:
             decider = self._load()
@@ -363,7 +370,11 @@ class EngineBackend:
     @classmethod
     def _prepare(cls, decider: ClefDecider, body: dict[str, Any],
                  keep_pixels: bool = False) -> tuple[EncodedRecord, InputsProvider | None]:
-        return cls._provide(decider, cls._encode(decider, body), keep_pixels)
+        """Off the engine's thread (a request's worker thread, ``clef-serve batch``'s reader)."""
+        try:
+            return cls._provide(decider, cls._encode(decider, body), keep_pixels)
+        finally:  # a picture's preparation may have started an OpenMP team on this thread
+            release_thread_team()
 
     @staticmethod
     def _provide(decider: ClefDecider, record: EncodedRecord,
