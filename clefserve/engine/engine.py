@@ -29,7 +29,6 @@ from clefserve.engine.runner import ModelRunner
 from clefserve.engine.scheduler import Scheduler, StepPlan
 from clefserve.engine.sequence import FinishedSequence, Sequence, Status
 from clefserve.engine.state_pool import StatePool
-from clefserve.engine.threads import EngineThreads
 from clefserve.errors import RequestError
 from clefserve.model.backbone import Backbone
 from clefserve.model.inputs import InputsProvider, SequenceInputs
@@ -79,9 +78,9 @@ class Engine:
                 model.dtype, model.device,
             )
         self.runner = ModelRunner(model, self.kv, self.states)
-        self.threads = EngineThreads(mc.hidden_size, config.prefill_chunk_size, model.device)
-        self.threads.apply()
-        log.info("threads: %s", self.threads.describe())
+        if model.device.type == "cpu":
+            log.info("threads: %d intra-op thread(s), one OpenMP team (clefserve.engine.openmp)",
+                     torch.get_num_threads())
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
             self.prefix_cache = PrefixCache(
@@ -283,7 +282,6 @@ class Engine:
         return fut.result()
 
     def _loop(self) -> None:
-        self.threads.apply()
         with torch.inference_mode():
             self._serve()
 
