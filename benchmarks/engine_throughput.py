@@ -17,6 +17,7 @@ import torch
 
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine
+from clefserve.engine.openmp import release_thread_team
 from clefserve.model.weights import load_backbone
 from clefserve.testing.release import ReleaseSpec, build_release
 
@@ -62,6 +63,7 @@ def main() -> None:
         model.run_sequence(ids)
     reference = time.perf_counter() - started
     print(f"one at a time : {tokens / reference:8.0f} tok/s ({reference:.2f} s)")
+    release_thread_team()  # as the server's loading thread does: the engine's team is then the only one
 
     with Engine(model, config, lambda fs: [None] * len(fs)) as engine:
         engine.submit(records[0][:64]).result()  # warm-up
