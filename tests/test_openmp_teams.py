@@ -6,6 +6,7 @@ Run in a fresh interpreter: pytest's own process has run torch on other threads 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -57,7 +58,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_release_lets_the_idle_team_of_a_living_thread_exit() -> None:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["released"] is True

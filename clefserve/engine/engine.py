@@ -79,8 +79,7 @@ class Engine:
             )
         self.runner = ModelRunner(model, self.kv, self.states)
         if model.device.type == "cpu":
-            log.info("threads: %d intra-op thread(s), one OpenMP team (clefserve.engine.openmp)",
-                     torch.get_num_threads())
+            log.info("threads: %d intra-op thread(s)", torch.get_num_threads())
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
             self.prefix_cache = PrefixCache(

@@ -23,6 +23,8 @@ import logging
 import os
 import sys
 
+import torch  # noqa: F401  (loads the OpenMP runtime looked for below, so that a lookup never runs before it)
+
 log = logging.getLogger(__name__)
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the resources, not just put the threads to sleep
