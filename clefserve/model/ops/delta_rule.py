@@ -123,45 +123,71 @@ def chunk_gated_delta_rule(
     ``past`` tokens already consumed), so a sequence run in pieces groups its arithmetic like a one-piece
     run: only the chunk that a piece boundary cuts is computed differently. Zero rows pad both ends; with
     k = 0 and beta = 0 they neither read nor change the state.
+
+    The key-side products (``k k^T``, ``q k^T``) are computed once per key head and shared by its value
+    heads, both right-hand sides of the triangular system share one matmul, and every operand of the scan
+    is built in the layout its matmuls read (no transposed copies).
     """
     out_dtype = v.dtype
-    steps = q.shape[0]
-    s = _initial_state(state, q, v)
-    qh, kh, vh = _prepare(q, k, v)
-    g = g.float().t()  # [HV, T]
-    beta = beta.float().t()
+    steps, key_heads, key_dim = q.shape
+    heads, value_dim = v.shape[1], v.shape[2]
+    grouped = (key_heads, heads // key_heads)  # value head j reads key head j // repeat
     front = past % chunk
-    back = (-(front + steps)) % chunk
-    if front or back:
-        qh, kh, vh = (F.pad(x, (0, 0, front, back)) for x in (qh, kh, vh))
-        g, beta = (F.pad(x, (front, back)) for x in (g, beta))
-    heads = qh.shape[0]
-    n = qh.shape[1] // chunk
-    qc, kc, vc = (x.reshape(heads, n, chunk, -1) for x in (qh, kh, vh))
-    gc = g.reshape(heads, n, chunk).cumsum(-1)  # cumulative log decay inside each chunk
-    bc = beta.reshape(heads, n, chunk, 1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    pair_decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    n = -(-(front + steps) // chunk)
+    back = n * chunk - front - steps
 
-    k_beta = kc * bc
-    system = ((k_beta @ kc.transpose(-1, -2)) * pair_decay).tril(-1)
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        """Token rows ``[T, heads, ...]`` as head-major zero-padded chunks ``[heads, n, C, ...]``."""
+        x = x.transpose(0, 1)
+        pad = (0, 0) * (x.dim() - 2) + (front, back)
+        return F.pad(x, pad).reshape(x.shape[0], n, chunk, *x.shape[2:])
+
+    q, k = q.float(), k.float()
+    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * key_dim**-0.5)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    qc, kc = chunked(q), chunked(k)  # per key head [H, n, C, K]
+    gc = chunked(g.float()).cumsum(-1)  # [HV, n, C]: cumulative log decay inside each chunk
+    bc = chunked(beta.float())[..., None]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    # exp(gc_i - gc_j) for j <= i, 0 above the diagonal (masked before exp: no overflow, no NaN gradient)
+    pair_decay = (gc[..., :, None] - gc[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+
+    k_t = kc.transpose(-1, -2).contiguous()  # [H, n, K, C]
+    gram = (kc @ k_t).unsqueeze(1)  # [H, 1, n, C, C], shared by the value heads of a key head
+    scores = (qc @ k_t).unsqueeze(1)
+    system = (gram * (pair_decay.tril(-1) * bc).view(*grouped, n, chunk, chunk)).view(heads, n, chunk, chunk)
+    intra = (scores * pair_decay.view(*grouped, n, chunk, chunk)).view(heads, n, chunk, chunk)
     solve = unit_lower_inverse(system)
-    values = solve @ (vc * bc)
-    key_decay = solve @ (k_beta * gc.exp()[..., None])
 
-    intra = (qc @ kc.transpose(-1, -2)) * pair_decay
-    q_decayed = qc * gc.exp()[..., None]
+    # one solve for both right-hand sides, [v * beta | k * beta * exp(gc)]
+    gexp = gc.exp()
+    k_weighted = (kc.unsqueeze(1) * (bc * gexp[..., None]).view(*grouped, n, chunk, 1)).flatten(0, 1)
+    solved = solve @ torch.cat((chunked(v.float()) * bc, k_weighted), dim=-1)
+    values, key_decay = solved[..., :value_dim], solved[..., value_dim:]
+
+    q_decayed = (qc.unsqueeze(1) * gexp.view(*grouped, n, chunk, 1)).flatten(0, 1)
     last = gc[..., -1:]
-    k_to_end = (kc * (last - gc).exp()[..., None]).transpose(-1, -2).contiguous()
+    to_end = (last - gc).exp().view(*grouped, n, 1, chunk)
+    k_to_end = (k_t.unsqueeze(1) * to_end).flatten(0, 1)  # [HV, n, K, C]
     chunk_decay = last.exp()[..., None]  # [HV, n, 1, 1]
 
-    out = torch.empty_like(vc)
-    for i in range(n):
-        v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
-        out[:, i] = torch.baddbmm(intra[:, i] @ v_new, q_decayed[:, i], s)
-        s = torch.baddbmm(s * chunk_decay[:, i], k_to_end[:, i], v_new)
-    out = out.reshape(heads, n * chunk, -1)[:, front : front + steps]
-    return out.transpose(0, 1).to(out_dtype), s
+    s = _initial_state(state, q, v)
+    if torch.is_grad_enabled():  # training differentiates through the scan: no in-place updates
+        outs = []
+        for i in range(n):
+            v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
+            outs.append(torch.baddbmm(intra[:, i] @ v_new, q_decayed[:, i], s))
+            s = torch.baddbmm(s * chunk_decay[:, i], k_to_end[:, i], v_new)
+        out = torch.stack(outs)
+    else:
+        s = s.clone()
+        out = torch.empty(n, heads, chunk, value_dim, dtype=torch.float32, device=q.device)
+        for i in range(n):
+            v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
+            torch.bmm(intra[:, i], v_new, out=out[i]).baddbmm_(q_decayed[:, i], s)
+            s.mul_(chunk_decay[:, i]).baddbmm_(k_to_end[:, i], v_new)
+    out = out.transpose(1, 2).reshape(n * chunk, heads, value_dim)[front : front + steps]
+    return out.to(out_dtype), s
 
 
 def gated_delta_rule(
