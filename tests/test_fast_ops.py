@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clefserve.model.ops.attention import causal_attention, causal_attention_split_cpu
-from clefserve.model.ops.delta_rule import gated_delta_rule_varlen
+from clefserve.model.ops.delta_rule import SOLVE_MAX_SYSTEMS, gated_delta_rule_varlen, solve_unit_lower
 from clefserve.model.ops.delta_rule_batched import chunk_gated_delta_rule_batched, gated_delta_rule_cpu
 from clefserve.model.ops.select import select_ops
 
@@ -29,6 +29,19 @@ def _delta_batch(rng: random.Random, heads: int, v_heads: int, dim: int, dtype: 
         if past == 0:
             initial[i] = 0
     return q, k, v, g, beta, initial, lens, pasts
+
+
+@pytest.mark.parametrize("systems", [1, SOLVE_MAX_SYSTEMS, SOLVE_MAX_SYSTEMS + 1, 3 * SOLVE_MAX_SYSTEMS])
+def test_unit_lower_solve_matches_a_dense_float64_solve_on_both_sides_of_the_threshold(systems):
+    """Both paths (LAPACK's triangular solve for few systems, the blockwise inverse for many) solve
+    (I + L) x = b."""
+    gen = torch.Generator().manual_seed(systems)
+    strict = (torch.randn(systems, 64, 64, generator=gen) * 0.2).tril(-1)
+    rhs = torch.randn(systems, 64, 40, generator=gen)
+    want = torch.linalg.solve(strict.double() + torch.eye(64, dtype=torch.float64), rhs.double())
+    got = solve_unit_lower(strict, rhs)
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
 @pytest.mark.parametrize(("heads", "v_heads"), [(2, 2), (2, 4), (1, 3)])

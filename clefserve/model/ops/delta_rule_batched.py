@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from clefserve.model.ops.delta_rule import CHUNK, RECURRENT_MAX, gated_delta_rule_varlen, unit_lower_inverse
+from clefserve.model.ops.delta_rule import CHUNK, RECURRENT_MAX, gated_delta_rule_varlen, solve_unit_lower
 
 # Where the step-batched form beat the per-sequence one on a 2-core CPU (fp32, 2 threads; min of 10-30 runs):
 # 1.2-2.6x for 2-12 pieces of 20-300 tokens with 16-wide heads and of 20-160 with 32-wide ones; 0.65-0.95x
@@ -101,9 +101,8 @@ def chunk_gated_delta_rule_batched(
 
     k_beta = kc * bc
     system = ((k_beta @ kc.transpose(-1, -2)) * pair_decay).tril(-1)
-    solve = unit_lower_inverse(system)
-    values = solve @ (vc * bc)
-    key_decay = solve @ (k_beta * gc.exp()[..., None])
+    solved = solve_unit_lower(system, torch.cat((vc * bc, k_beta * gc.exp()[..., None]), dim=-1))
+    values, key_decay = solved[..., :value_dim], solved[..., value_dim:]
     intra = (qc @ kc.transpose(-1, -2)) * pair_decay
     q_decayed = qc * gc.exp()[..., None]
     last = gc[..., -1:]
