@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from clefserve.model.cache import DenseCache, SequenceState
+from clefserve.model.layers import Batch
 from clefserve.model.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from clefserve.model.weights import load_backbone
 from tests import device as test_device
@@ -35,6 +37,36 @@ def test_random_pieces_equal_one_piece(make_release, name, mode):
             start += size
         assert state.length == len(ids)
         test_device.assert_close(torch.cat(pieces), whole, TOLERANCE, "pieces vs one piece:")
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+@torch.inference_mode()
+def test_states_kept_inside_a_piece_equal_the_states_of_a_piece_cut_there(make_release, mode):
+    """``Batch.captures``: a forward of two sequences that keeps each one's GDN state a few tokens into
+    its piece gives the states that running the sequence up to there gives, and the same rows as without."""
+    name = sorted(BACKBONE_SPECS)[0]
+    folder = make_release(BACKBONE_SPECS[name], seed=7)
+    model = use_kernels(load_backbone(folder, test_device.dtype(), test_device.device()), mode)
+    gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    history = torch.randint(0, vocab, (150,), generator=gen)
+    pieces = [torch.randint(0, vocab, (n,), generator=gen) for n in (200, 90)]
+    splits = (133, 3)  # past a delta-rule chunk boundary, and within the recurrent form's reach
+    _, carried = model.run_sequence(history)
+    states = [carried.clone(), SequenceState()]
+    lens, pasts = tuple(len(p) for p in pieces), (150, 0)
+    device = test_device.device()
+    ids = torch.cat(pieces).to(device)
+    plain = model(ids, Batch(lens, pasts), DenseCache([s.clone() for s in states]))
+    cache = DenseCache(states)
+    kept_rows = model(ids, Batch(lens, pasts, captures=splits), cache)
+    test_device.assert_close(kept_rows, plain, TOLERANCE, "rows with kept states vs without:")
+    for seq, (start, piece, d) in enumerate(zip((carried, None), pieces, splits, strict=True)):
+        _, cut = model.run_sequence(piece[:d], start.clone() if start is not None else None)
+        assert tuple(sorted(cache.kept[seq])) == model.config.linear_layers
+        for layer, (conv, recurrent) in cache.kept[seq].items():
+            test_device.assert_close(conv, cut.conv[layer], TOLERANCE, f"conv state of layer {layer}:")
+            test_device.assert_close(recurrent, cut.recurrent[layer], TOLERANCE, f"state of layer {layer}:")
 
 
 def _delta_inputs(steps: int, heads: int, v_heads: int, dim: int, seed: int):

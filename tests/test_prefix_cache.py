@@ -239,7 +239,9 @@ def test_snapshots_are_taken_exactly_at_the_points_and_resume_anywhere_in_a_bloc
         first = engine.submit(base, snapshot_points=(13, 37, 40))
         rows, cached = first.result(timeout=60)
         assert cached == 0 and _close(rows, _cold(model, base))
-        assert [n for step in engine.recent_steps() for _, n in step] == [13, 24, 3, 30]  # split at points
+        # a point inside a piece is snapshotted from the state kept there (13, then 40); the next point
+        # inside the same piece ends it (37), the record's end ends the last (70)
+        assert [n for step in engine.recent_steps() for _, n in step] == [37, 33]
         assert engine.stats()["prefix_entries"] == 4  # 13, 37, 40 and the end, 70
         for cut, want in [(12, 0), (13, 13), (36, 13), (37, 37), (39, 37), (45, 40), (70, 70)]:
             ids = torch.cat([base[:cut], torch.randint(0, vocab, (9,), generator=gen)])
@@ -334,14 +336,19 @@ def test_a_snapshot_that_cannot_be_taken_costs_only_the_entry(model, caplog):
 
     ids = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(5))
     with Engine(model, small_config(block_size=5), _rows) as engine:
-        states = engine.prefix_cache.states
-        engine.prefix_cache.states = type("Broken", (), {"conv": OutOfMemory(), "recurrent": None})()
+        cache = engine.prefix_cache
+        states, kv = cache.states, cache.kv
+        # 17 falls inside the one 30-token piece (its state kept in the step; the copy of its cut block's
+        # K/V fails), 30 at its end (the copy of the slot's state fails)
+        cache.states = type("Broken", (), {"conv": OutOfMemory(), "recurrent": None})()
+        cache.kv = type("Broken", (), {"k": OutOfMemory(), "v": None})()
         rows, cached = engine.submit(ids, snapshot_points=(17,)).result(timeout=60)
         assert cached == 0 and _close(rows, _cold(model, ids))
+        assert [n for step in engine.recent_steps() for _, n in step] == [30]
         stats = engine.stats()
         assert stats["prefix_entries"] == stats["prefix_blocks"] == 0  # the nodes made first are gone
-        assert "no snapshot of sequence" in caplog.text
-        engine.prefix_cache.states = states
+        assert caplog.text.count("no snapshot of sequence") == 2
+        cache.states, cache.kv = states, kv
         _no_leaks(engine)
 
 

@@ -48,6 +48,8 @@ class PagedCache:
         self.kv, self.states = kv, states
         self.attention_index, self.gdn_index = attention_index, gdn_index
         self.seqs = seqs
+        # states inside a sequence's new tokens (Batch.captures): seq -> GDN index -> (conv, recurrent)
+        self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def attention_kv(
         self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor
@@ -84,3 +86,17 @@ class PagedCache:
         for s, c, r in zip(self.seqs, conv, recurrent, strict=True):
             self.states.conv[s.slot, index].copy_(c)
             self.states.recurrent[s.slot, index].copy_(r)
+
+    def keep_linear_states(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.kept.setdefault(seq, {})[self.gdn_index[layer]] = (conv, recurrent)
+
+    def kept_states(self, seq: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A sequence's kept states stacked like a state-pool slot (``[gdn_layers, ...]``), or None."""
+        if not self.gdn_index:  # no GDN layer: nothing to keep (empty like the slot)
+            slot = self.seqs[seq].slot
+            return self.states.conv[slot].clone(), self.states.recurrent[slot].clone()
+        kept = self.kept.get(seq)
+        if kept is None or len(kept) != len(self.gdn_index):
+            return None
+        layers = range(len(self.gdn_index))
+        return torch.stack([kept[i][0] for i in layers]), torch.stack([kept[i][1] for i in layers])

@@ -124,7 +124,8 @@ class PrefixCache:
         self.hidden_bytes = 0
         self.num_nodes = 0
         self.counts = dict.fromkeys(("prefix_hit_tokens", "prefix_hits", "prefix_evictions",
-                                     "prefix_inserted", "prefix_skipped_too_large"), 0)
+                                     "prefix_inserted", "prefix_skipped_too_large",
+                                     "prefix_skipped_non_finite"), 0)
 
     # ---- per sequence ----
 
@@ -216,19 +217,33 @@ class PrefixCache:
 
     # ---- taking snapshots ----
 
-    def insert(self, seq: Sequence, position: int) -> bool:
-        """Cache the sequence's prefix up to ``position`` = its ``num_computed`` right after a step: the
-        full blocks (shared), and a snapshot of its GDN state, tail K/V and tail hidden rows."""
+    def insert(self, seq: Sequence, position: int,
+               states: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """Cache the sequence's prefix up to ``position``, right after a step that ran it: the full blocks
+        (shared), and a snapshot of its GDN state, tail K/V and tail hidden rows. The GDN state is the
+        slot's (``position`` = ``num_computed``) or ``states`` (conv, recurrent) kept inside the step."""
         if self.state_bytes + position * self.tail_row_bytes > self.budget_bytes:
             self.counts["prefix_skipped_too_large"] += 1
             return False  # could never be held whole: do not evict everything else for it
+        if not self._finite(seq, position, states):
+            # the record fails on its own (a non-finite answer); no other may resume from its values. A
+            # point inside a step can see them too: a later NaN key times its zero attention weight is NaN
+            self.counts["prefix_skipped_non_finite"] += 1
+            return False
         try:
-            return self._insert(seq, position)
+            return self._insert(seq, position, states)
         except BaseException:
             self._prune_all()  # e.g. out of memory on a copy: drop nodes no snapshot keeps
             raise
 
-    def _insert(self, seq: Sequence, position: int) -> bool:
+    def _finite(self, seq: Sequence, position: int, states: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        assert seq.slot is not None
+        conv, recurrent = states or (self.states.conv[seq.slot], self.states.recurrent[seq.slot])
+        parts = [conv, recurrent] + ([seq.hidden[:position]] if seq.hidden is not None else [])
+        return all(bool(torch.isfinite(t).all()) for t in parts)
+
+    def _insert(self, seq: Sequence, position: int,
+                states: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
         info = self.track(seq)
         bs = self.block_size
         full, r = divmod(position, bs)
@@ -251,8 +266,11 @@ class PrefixCache:
         if snap is None:
             assert seq.slot is not None
             snap = Snapshot(node, tail, position)
-            snap.conv = self.states.conv[seq.slot].clone()
-            snap.recurrent = self.states.recurrent[seq.slot].clone()
+            if states is None:
+                snap.conv = self.states.conv[seq.slot].clone()
+                snap.recurrent = self.states.recurrent[seq.slot].clone()
+            else:
+                snap.conv, snap.recurrent = states
             if r:
                 block = seq.block_table[full]
                 snap.tail_k = self.kv.k[:, block, :r].clone()

@@ -75,7 +75,9 @@ class ModelRunner:
             if i is not None:
                 embeds.extend((row + offset, rows) for offset, rows in i.embeds_for(p, p + n))
             row += n
-        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past), mrope=mrope)
+        captures = tuple(seq.capture_at for seq, _ in chunks)
+        batch = Batch(seq_lens=tuple(n for _, n in chunks), past_lens=tuple(past), mrope=mrope,
+                      captures=captures if any(captures) else ())
         slots = []
         for (seq, n), p in zip(chunks, past, strict=True):
             assert seq.block_table_tensor is not None and seq.slot is not None
@@ -84,6 +86,8 @@ class ModelRunner:
             )
         cache = PagedCache(self.kv, self.states, self.attention_index, self.gdn_index, slots)
         hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache, embeds)
+        for i, (seq, _) in enumerate(chunks):
+            seq.captured = cache.kept_states(i) if seq.capture_at else None
         start = 0
         for (seq, n), p in zip(chunks, past, strict=True):
             if seq.hidden is not None and p + n <= seq.hidden.shape[0]:

@@ -11,8 +11,10 @@
   short record waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps
   in a row goes first (oldest first), so none starves.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
-  blocks; cache-only blocks count as room, evicted when needed); a chunk never runs past the sequence's
-  next snapshot point, and the snapshot is taken right after the step that reaches it. A waiting sequence
+  blocks; cache-only blocks count as room, evicted when needed). A snapshot point that falls inside a
+  piece does not end it: the GDN layers keep their state there (``Batch.captures``) and the snapshot is
+  taken from it after the step, so a resume point never costs a step of its own; a second point inside
+  the same piece ends it. A point at a piece's end is snapshotted from the state pool. A waiting sequence
   whose prefix a running one is about to snapshot is *parked* until then (and the queue moves on past it),
   so a shared prefix is computed once. A sequence whose whole prompt is cached finishes at admission.
 
@@ -25,6 +27,8 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from clefserve.engine.errors import QueueFullError, tokens_exceeded
 from clefserve.engine.kv_pool import BlockAllocator
@@ -137,12 +141,20 @@ class Scheduler:
             if DELTA_RULE_CHUNK <= n < seq.num_pending:  # (steps under a chunk are cut anywhere)
                 n = _chunk_aligned(seq.num_computed, n, min(seq.num_pending, budget) - n)
             at_point = False
-            if seq.prefix is not None and seq.prefix.points:  # stop at the next snapshot point
-                to_point = seq.prefix.points[0] - seq.num_computed
-                at_point = n >= to_point
-                n = min(n, to_point)
+            seq.capture_at = 0
+            if seq.prefix is not None and seq.prefix.points:
+                points = seq.prefix.points
+                to_point = points[0] - seq.num_computed
+                if to_point < n:  # the next snapshot point falls inside the piece: its state is kept there
+                    seq.capture_at = to_point
+                    points = points[1:]  # and the one after it, if also inside, ends the piece
+                if points:
+                    to_point = points[0] - seq.num_computed
+                    at_point = n >= to_point
+                    n = min(n, to_point)
             if n < min_piece and n < seq.num_pending and not at_point:
                 n = 0  # a sliver of leftover budget: a step's fixed cost for a few tokens, and a cut chunk
+                seq.capture_at = 0
             if n > 0:
                 plan.chunks.append((seq, n))
                 budget -= n
@@ -255,12 +267,17 @@ class Scheduler:
         for seq, n in plan.chunks:
             if seq.status is not Status.RUNNING:
                 continue
+            inside = seq.num_computed + seq.capture_at if seq.capture_at else None
             seq.num_computed += n
             if self.cache is not None and seq.prefix is not None:
                 points = seq.prefix.points
                 while points and points[0] <= seq.num_computed:
-                    if points.pop(0) == seq.num_computed:
-                        self._snapshot(seq)
+                    point = points.pop(0)
+                    if point == seq.num_computed:
+                        self._snapshot(seq, point)
+                    elif point == inside and seq.captured is not None:
+                        self._snapshot(seq, point, seq.captured)
+            seq.capture_at, seq.captured = 0, None
             if seq.is_done:
                 seq.status = Status.FINISHED
                 self._release(seq)
@@ -269,12 +286,13 @@ class Scheduler:
             self.cache.enforce_budget()
         return done
 
-    def _snapshot(self, seq: Sequence) -> None:
+    def _snapshot(self, seq: Sequence, position: int,
+                  states: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         assert self.cache is not None
         try:
-            self.cache.insert(seq, seq.num_computed)
+            self.cache.insert(seq, position, states)
         except Exception:  # the cache is an optimisation: the sequence goes on without the entry
-            log.exception("prefix cache: no snapshot of sequence %d at %d", seq.seq_id, seq.num_computed)
+            log.exception("prefix cache: no snapshot of sequence %d at %d", seq.seq_id, position)
 
     def remove(self, seq: Sequence, status: Status) -> bool:
         """Take a waiting or running sequence out (cancel, failure) and free what it holds."""

@@ -64,6 +64,10 @@ class Sequence:
         # prefix cache: positions where the GDN state is worth a snapshot (ascending), how many leading
         # tokens came from the cache, and the cache's own bookkeeping (clefserve.engine.prefix_cache)
         self.snapshot_points = snapshot_points
+        # a snapshot point inside this step's piece: its offset in the piece (0: none), set by the scheduler,
+        # and the GDN states there (conv, recurrent stacked over the GDN layers), set by the runner
+        self.capture_at = 0
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_cached = 0
         self.prefix: Any = None
         # pictures: rows replacing token embeddings and M-RoPE positions (None: text), or what computes

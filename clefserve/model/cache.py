@@ -31,6 +31,10 @@ class ForwardCache(Protocol):
         """The states after the new tokens: conv per sequence, recurrent ``[B, HV, K, V]``."""
         ...
 
+    def keep_linear_states(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """The states of sequence ``seq`` inside its new tokens, where ``Batch.captures`` asked for them."""
+        ...
+
 
 @dataclass
 class SequenceState:
@@ -55,6 +59,7 @@ class DenseCache:
 
     def __init__(self, states: list[SequenceState]) -> None:
         self.states = states
+        self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # seq -> layer -> states
 
     def attention_kv(
         self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor
@@ -74,3 +79,6 @@ class DenseCache:
         for state, c, r in zip(self.states, conv, recurrent, strict=True):
             state.conv[layer] = c
             state.recurrent[layer] = r
+
+    def keep_linear_states(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.kept.setdefault(seq, {})[layer] = (conv, recurrent)

@@ -24,11 +24,15 @@ class Batch:
 
     ``mrope``: per sequence, the M-RoPE positions ``[3, n]`` of its new tokens (a record with pictures),
     or None where the positions are the token indexes; None for the whole batch when all are text.
+    ``captures``: per sequence, 0 or a count ``0 < d < n`` of its new tokens after which the Gated DeltaNet
+    layers hand their state to ``cache.keep_linear_states`` (a prefix-cache snapshot inside a step); empty
+    when no sequence asks.
     """
 
     seq_lens: tuple[int, ...]
     past_lens: tuple[int, ...]
     mrope: tuple[torch.Tensor | None, ...] | None = None
+    captures: tuple[int, ...] = ()
 
     def spans(self) -> list[tuple[int, int, int]]:
         """``(seq, start_row, end_row)`` per sequence."""
@@ -182,6 +186,32 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return beta[:rows], g[:rows]
 
+    def _delta_rule_split(
+        self, inputs: tuple[torch.Tensor, ...], initial: torch.Tensor, batch: Batch, splits: dict[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The delta rule with each sequence of ``splits`` run in two parts, its first ``splits[seq]`` new
+        tokens and then the rest from the state between them: the arithmetic of two steps cut there, so a
+        later sequence resumed from that state computes what this one does. Returns the output rows, the
+        final states and the states at the splits."""
+        spans, device = batch.spans(), inputs[0].device
+        heads = [seq for seq, _, _ in spans if seq in splits]
+        first = torch.cat([torch.arange(start, start + splits[seq], device=device)
+                           for seq, start, _ in spans if seq in splits])
+        rest = torch.cat([torch.arange(start + splits.get(seq, 0), end, device=device)
+                          for seq, start, end in spans])
+        head_out, at_split = self.ops.gated_delta_rule(
+            *(x.index_select(0, first) for x in inputs), initial[heads],
+            tuple(splits[seq] for seq in heads), tuple(batch.past_lens[seq] for seq in heads))
+        initial = initial.index_copy(0, torch.tensor(heads, device=device), at_split)
+        rest_out, final = self.ops.gated_delta_rule(
+            *(x.index_select(0, rest) for x in inputs), initial,
+            tuple(n - splits.get(seq, 0) for seq, n in enumerate(batch.seq_lens)),
+            tuple(p + splits.get(seq, 0) for seq, p in enumerate(batch.past_lens)))
+        out = rest_out.new_empty(inputs[0].shape[0], *rest_out.shape[1:])
+        out.index_copy_(0, first, head_out)
+        out.index_copy_(0, rest, rest_out)
+        return out, final, dict(zip(heads, at_split, strict=True))
+
     def forward(self, x: torch.Tensor, batch: Batch, cache: ForwardCache) -> torch.Tensor:
         rows = x.shape[0]
         mixed = self.in_proj_qkv(x)
@@ -200,16 +230,21 @@ class GatedDeltaNet(nn.Module):
             qkv[start:end], state = self.ops.causal_conv1d(mixed[start:end], weight, carried)
             new_conv_states.append(state)
         q, k, v = torch.split(qkv, [self.key_width, self.key_width, self.value_width], dim=-1)
-        core, recurrent = self.ops.gated_delta_rule(
-            q.reshape(rows, self.k_heads, self.k_dim),
-            k.reshape(rows, self.k_heads, self.k_dim),
-            v.reshape(rows, self.v_heads, self.v_dim),
-            g,
-            beta,
-            recurrent,
-            batch.seq_lens,
-            batch.past_lens,
-        )
+        inputs = (q.reshape(rows, self.k_heads, self.k_dim), k.reshape(rows, self.k_heads, self.k_dim),
+                  v.reshape(rows, self.v_heads, self.v_dim), g, beta)
+        splits = {seq: d for seq, d in enumerate(batch.captures) if 0 < d < batch.seq_lens[seq]}
+        if splits:
+            core, recurrent, kept = self._delta_rule_split(inputs, recurrent, batch, splits)
+            history = weight.shape[1] - 1
+            for (seq, start, _), carried in zip(batch.spans(), conv_states, strict=True):
+                if seq in splits:  # the conv state is the last kernel-1 inputs before the split
+                    d = splits[seq]
+                    before = mixed.new_zeros(history, mixed.shape[1]) if carried is None or starts[seq] \
+                        else carried.to(mixed.dtype)
+                    conv = torch.cat((before, mixed[start : start + d]))[d:]
+                    cache.keep_linear_states(self.layer, seq, conv, kept[seq])
+        else:
+            core, recurrent = self.ops.gated_delta_rule(*inputs, recurrent, batch.seq_lens, batch.past_lens)
         cache.store_linear_states(self.layer, new_conv_states, recurrent)
         normed = self.norm(core, z.view(rows, self.v_heads, self.v_dim))
         return self.out_proj(normed.reshape(rows, self.value_width))

@@ -8,9 +8,9 @@ option probability differs by more than the dtype's tolerance. ``clef-serve veri
 Three text canaries, sized in tokens from the engine's configuration, no larger than their coverage needs
 (every token runs twice, and on a 9B model on a CPU a token costs tens of milliseconds):
 
-1. ``long``: a state of one ``--prefill-chunk-size`` plus :data:`LONG_MARGIN_TOKENS`, so the engine splits
-   the state at its step budget as well as at the cache's snapshot points (fixed prefix | a full chunk of
-   state | the rest of the state | schema): state carried across chunk boundaries inside a segment;
+1. ``long``: a state of one ``--prefill-chunk-size`` plus :data:`LONG_MARGIN_TOKENS`, so the engine cuts
+   the state at its step budget and passes the cache's snapshot points (their GDN state kept inside a
+   step or taken at a step's end): state carried across chunk boundaries inside a segment;
 2. ``shared-a``: a short state, a choice and a score question (scored jointly);
 3. ``shared-b``: the same state and a noul question, resumed from the prefix cache at the end of that
    shared state (the K/V blocks, the GDN snapshot and the cached hidden rows of ``shared-a``).
