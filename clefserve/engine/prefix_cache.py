@@ -35,6 +35,7 @@ import torch
 
 from clefserve.engine.kv_pool import KVPool
 from clefserve.engine.state_pool import StatePool
+from clefserve.errors import all_finite
 
 if TYPE_CHECKING:
     from clefserve.engine.sequence import Sequence
@@ -240,7 +241,7 @@ class PrefixCache:
         assert seq.slot is not None
         conv, recurrent = states or (self.states.conv[seq.slot], self.states.recurrent[seq.slot])
         parts = [conv, recurrent] + ([seq.hidden[:position]] if seq.hidden is not None else [])
-        return all(bool(torch.isfinite(t).all()) for t in parts)
+        return all_finite(parts)
 
     def _insert(self, seq: Sequence, position: int,
                 states: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
