@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from clefserve.model.cache import DenseCache, SequenceState
 from clefserve.model.layers import Batch
-from clefserve.model.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from clefserve.model.ops.delta_rule import (
+    CHUNK,
+    chunk_gated_delta_rule,
+    gated_delta_rule,
+    gated_delta_rule_varlen,
+    gated_delta_rule_varlen_keeping,
+    recurrent_gated_delta_rule,
+)
 from clefserve.model.weights import load_backbone
 from tests import device as test_device
 from tests.backbone_specs import BACKBONE_SPECS
@@ -39,14 +47,22 @@ def test_random_pieces_equal_one_piece(make_release, name, mode):
         test_device.assert_close(torch.cat(pieces), whole, TOLERANCE, "pieces vs one piece:")
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("mode", KERNEL_MODES)
 @torch.inference_mode()
-def test_states_kept_inside_a_piece_equal_the_states_of_a_piece_cut_there(make_release, mode):
+def test_states_kept_inside_a_piece_equal_the_states_of_a_piece_cut_there(make_release, mode, split):
     """``Batch.captures``: a forward of two sequences that keeps each one's GDN state a few tokens into
-    its piece gives the states that running the sequence up to there gives, and the same rows as without."""
+    its piece gives the states that running the sequence up to there gives, and the same rows as without.
+    ``split``: a delta-rule op that cannot keep states itself (a GPU kernel, a fault wrapper), so the layer
+    runs each capturing sequence in two calls."""
     name = sorted(BACKBONE_SPECS)[0]
     folder = make_release(BACKBONE_SPECS[name], seed=7)
     model = use_kernels(load_backbone(folder, test_device.dtype(), test_device.device()), mode)
+    ops = model.ops
+    if split:
+        rule = ops.gated_delta_rule
+        model.set_ops(replace(ops, gated_delta_rule=lambda *args: rule(*args)))
+    assert (getattr(model.ops.gated_delta_rule, "keeping", None) is None) == split or not test_device.on_cpu()
     gen = torch.Generator().manual_seed(3)
     vocab = model.config.vocab_size
     history = torch.randint(0, vocab, (150,), generator=gen)
@@ -93,3 +109,41 @@ def test_recurrent_state_stays_fp32_for_low_precision_inputs():
     q, k, v, g, beta = _delta_inputs(80, 2, 2, 16, seed=1)
     out, state = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, None)
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+
+
+# (tokens, past, keep): a cut inside a chunk, on a chunk boundary (absolute: past + keep), one the recurrent
+# form would run, a cut in the last chunk, and a piece short enough for the recurrent form itself
+KEEP_CASES = [(300, 37, 133), (200, 64, CHUNK), (200, 70, 58), (300, 0, 3), (700, 66, 699), (4, 10, 2)]
+
+
+@pytest.mark.parametrize(("tokens", "past", "keep"), KEEP_CASES)
+@pytest.mark.parametrize("v_heads", [2, 4])
+@torch.inference_mode()
+def test_a_state_kept_inside_a_call_is_the_state_of_a_call_cut_there(tokens, past, keep, v_heads):
+    """The delta rule's kept state equals, bit for bit, what a call over just the first ``keep`` tokens
+    leaves (so a sequence resumed from it computes what a cut piece would), and keeping it changes
+    neither the output rows nor the final state."""
+    q, k, v, g, beta = _delta_inputs(tokens, 2, v_heads, 32, seed=tokens + keep)
+    state = torch.randn(v_heads, 32, 32, generator=torch.Generator().manual_seed(keep))
+    out, final, kept = gated_delta_rule(q, k, v, g, beta, state, past, keep=keep)
+    plain_out, plain_final, none = gated_delta_rule(q, k, v, g, beta, state, past)
+    _, cut, _ = gated_delta_rule(q[:keep], k[:keep], v[:keep], g[:keep], beta[:keep], state, past)
+    assert none is None and kept is not None
+    assert torch.equal(kept, cut), f"max |diff| {(kept - cut).abs().max().item():.3g}"
+    assert torch.equal(out, plain_out) and torch.equal(final, plain_final)
+
+
+@torch.inference_mode()
+def test_varlen_keeping_returns_the_kept_states_in_sequence_order():
+    lens, pasts, keep = (300, 90, 150), (37, 0, 64), (133, 0, 64)
+    q, k, v, g, beta = _delta_inputs(sum(lens), 2, 4, 16, seed=5)
+    initial = torch.randn(len(lens), 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    out, finals, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, initial, lens, pasts, keep)
+    want_out, want_finals = gated_delta_rule_varlen(q, k, v, g, beta, initial, lens, pasts)
+    assert torch.equal(out, want_out) and torch.equal(finals, want_finals)
+    assert len(kept) == 2  # the sequence with keep 0 keeps nothing
+    for state, (i, start) in zip(kept, ((0, 0), (2, 390)), strict=True):
+        d = keep[i]
+        rows = slice(start, start + d)
+        _, cut, _ = gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], initial[i], pasts[i])
+        assert torch.equal(state, cut)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clefserve.engine import Engine, kv_pool
 from clefserve.engine.kv_pool import BlockAllocator, KVPool
 from clefserve.engine.runner import ModelRunner
 from clefserve.engine.sequence import Sequence
 from clefserve.engine.state_pool import SlotAllocator, StatePool
 from clefserve.model.weights import load_backbone
-from tests.engine_support import ENGINE_SPECS
+from tests.engine_support import ENGINE_SPECS, keep_hidden, small_config
 
 
 def test_block_allocator_counts_references():
@@ -91,3 +92,39 @@ def test_paged_cache_through_chunks_and_decode_steps(make_release, adjacent):
     got = torch.cat(rows)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_kv_pool_faults_in_untouched_blocks_ahead_and_never_rewrites_touched_ones():
+    kv = KVPool(2, 40, 4, 1, 8, torch.float32, torch.device("cpu"))
+    kv._resident_step = 8  # blocks per bulk fault-in (64 MiB in production)
+    assert kv.resident_blocks == 0
+    kv.k[:, :40] = 5.0  # stand-in for a pool whose pages hold data: only never-touched blocks are zeroed
+    kv.make_resident(3)
+    assert kv.resident_blocks == 8 and bool((kv.k[:, :8] == 0).all()) and bool((kv.k[:, 8:] == 5).all())
+    kv.k[:, :8] = 7.0  # blocks in use
+    kv.make_resident(8)  # already resident: nothing is written
+    assert bool((kv.k[:, :8] == 7).all())
+    kv.make_resident(21)  # past the step: up to the asked block
+    assert kv.resident_blocks == 21 and bool((kv.k[:, 8:21] == 0).all()) and bool((kv.k[:, :8] == 7).all())
+    kv.make_resident(100)
+    assert kv.resident_blocks == 40
+    poisoned = KVPool(2, 40, 4, 1, 8, torch.float32, torch.device("cpu"))
+    poisoned.fill_blocks([3, 30], float("nan"))  # a test's garbage in free blocks must stay garbage
+    poisoned.make_resident(31)
+    assert bool(poisoned.k[:, 30].isnan().all()) and bool(poisoned.v[:, 3].isnan().all())
+
+
+def test_an_engine_on_the_cpu_faults_in_the_blocks_a_full_batch_and_the_prefix_cache_can_hold(
+    make_release, monkeypatch
+):
+    model = load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=7))
+    config = small_config(kv_cache_mb=64, max_length=40, prefix_cache_mb=1)
+    monkeypatch.setattr(kv_pool, "RESIDENT_STEP_BYTES", 1)  # exactly the blocks asked for
+    with Engine(model, config, keep_hidden) as engine:
+        kv = engine.kv
+        bound = engine.pools.prefix_cache_bytes // kv.block_bytes + config.max_num_seqs * kv.blocks_for(40)
+        assert 0 < bound < kv.num_blocks
+        assert kv.resident_blocks == bound
+        ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+        engine.submit(ids).result()
+        assert kv.resident_blocks == bound  # serving stayed inside the faulted-in blocks

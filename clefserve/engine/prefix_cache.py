@@ -106,6 +106,7 @@ class SeqPrefix:
     parked_on: tuple[Sequence, int] | None = None  # waits for this running sequence to reach this point
     # leading tokens shared with other sequences, by their seq_id (asked again at every admission round)
     common: dict[int, int] = field(default_factory=dict)
+    finite_rows: int = 0  # its hidden rows before this are known finite (checked at an earlier snapshot)
 
 
 class PrefixCache:
@@ -240,8 +241,13 @@ class PrefixCache:
     def _finite(self, seq: Sequence, position: int, states: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
         assert seq.slot is not None
         conv, recurrent = states or (self.states.conv[seq.slot], self.states.recurrent[seq.slot])
-        parts = [conv, recurrent] + ([seq.hidden[:position]] if seq.hidden is not None else [])
-        return all_finite(parts)
+        info = self.track(seq)
+        checked = min(info.finite_rows, position)  # rows of earlier steps do not change
+        parts = [conv, recurrent] + ([seq.hidden[checked:position]] if seq.hidden is not None else [])
+        if not all_finite(parts):
+            return False
+        info.finite_rows = max(info.finite_rows, position)
+        return True
 
     def _insert(self, seq: Sequence, position: int,
                 states: tuple[torch.Tensor, torch.Tensor] | None) -> bool:

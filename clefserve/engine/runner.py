@@ -29,6 +29,8 @@ class ModelRunner:
         if callable(seq.inputs):
             seq.inputs = seq.inputs(seq.num_computed)
         seq.block_table_tensor = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        if seq.block_table:
+            self.kv.make_resident(max(seq.block_table) + 1)
         table = seq.block_table
         adjacent = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
         seq.first_block = table[0] if adjacent else None

@@ -234,7 +234,13 @@ class GatedDeltaNet(nn.Module):
                   v.reshape(rows, self.v_heads, self.v_dim), g, beta)
         splits = {seq: d for seq, d in enumerate(batch.captures) if 0 < d < batch.seq_lens[seq]}
         if splits:
-            core, recurrent, kept = self._delta_rule_split(inputs, recurrent, batch, splits)
+            keeping = getattr(self.ops.gated_delta_rule, "keeping", None)
+            if keeping is not None:  # the op keeps the states inside the pieces itself
+                keep = tuple(splits.get(seq, 0) for seq in range(len(batch.seq_lens)))
+                core, recurrent, inside = keeping(*inputs, recurrent, batch.seq_lens, batch.past_lens, keep)
+                kept = dict(zip(sorted(splits), inside, strict=True))
+            else:
+                core, recurrent, kept = self._delta_rule_split(inputs, recurrent, batch, splits)
             history = weight.shape[1] - 1
             for (seq, start, _), carried in zip(batch.spans(), conv_states, strict=True):
                 if seq in splits:  # the conv state is the last kernel-1 inputs before the split

@@ -58,20 +58,36 @@ def recurrent_gated_delta_rule(
     state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token form; cheapest for a handful of tokens (decode steps)."""
+    out, s, _ = _recurrent(q, k, v, g, beta, state, keep=0)
+    return out, s
+
+
+def _recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    keep: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     out_dtype = v.dtype
     s = _initial_state(state, q, v).clone()
     qh, kh, vh = _prepare(q, k, v)
     decay = g.float().t().exp()  # [HV, T]
     beta = beta.float().t()
     out = torch.empty_like(vh)
+    kept = None
     for t in range(qh.shape[1]):
+        if t == keep and keep:
+            kept = s.clone()
         s.mul_(decay[:, t, None, None])
         k_t = kh[:, t]  # [HV, K]
         memory = torch.einsum("hkv,hk->hv", s, k_t)
         delta = (vh[:, t] - memory) * beta[:, t, None]
         s.add_(k_t[:, :, None] * delta[:, None, :])
         out[:, t] = torch.einsum("hkv,hk->hv", s, qh[:, t])
-    return out.transpose(0, 1).to(out_dtype), s
+    return out.transpose(0, 1).to(out_dtype), s, kept
 
 
 def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
@@ -132,6 +148,22 @@ def chunk_gated_delta_rule(
     past: int = 0,
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (UT-transform) form; see :func:`_chunked`."""
+    out, s, _ = _chunked(q, k, v, g, beta, state, past, chunk, keep=0)
+    return out, s
+
+
+def _chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    past: int,
+    chunk: int,
+    keep: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked (UT-transform) form: the intra-chunk work is batched matmuls, only chunks are scanned.
 
     Chunks are aligned to absolute positions (multiples of ``chunk`` counted from the sequence start, with
@@ -142,6 +174,9 @@ def chunk_gated_delta_rule(
     The key-side products (``k k^T``, ``q k^T``) are computed once per key head and shared by its value
     heads, both right-hand sides of the triangular system share one matmul, and every operand of the scan
     is built in the layout its matmuls read (no transposed copies).
+
+    ``keep`` (``0 < keep < T``): also return the state after the first ``keep`` tokens, as a call over just
+    those tokens would leave it (see :func:`_state_inside_chunk`); 0: None.
     """
     out_dtype = v.dtype
     steps, key_heads, key_dim = q.shape
@@ -187,10 +222,23 @@ def chunk_gated_delta_rule(
     chunk_decay = last.exp()[..., None]  # [HV, n, 1, 1]
 
     s = _initial_state(state, q, v)
+    # where the kept state lies: before chunk ``keep_chunk``, plus its first ``keep_rows`` rows
+    keep_chunk, keep_rows = divmod(front + keep, chunk) if keep else (-1, 0)
+    kept = None
+
+    def state_inside(i: int, before: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor | None:
+        if i != keep_chunk:
+            return None
+        if not keep_rows:
+            return before.clone()
+        key_t = k_t[:, i].unsqueeze(1).expand(*grouped, key_dim, chunk).flatten(0, 1)
+        return _state_inside_chunk(before, key_t, v_new, gc[:, i], keep_rows)
+
     if torch.is_grad_enabled():  # training differentiates through the scan: no in-place updates
         outs = []
         for i in range(n):
             v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
+            kept = state_inside(i, s, v_new) if kept is None else kept
             outs.append(torch.baddbmm(intra[:, i] @ v_new, q_decayed[:, i], s))
             s = torch.baddbmm(s * chunk_decay[:, i], k_to_end[:, i], v_new)
         out = torch.stack(outs)
@@ -199,10 +247,32 @@ def chunk_gated_delta_rule(
         out = torch.empty(n, heads, chunk, value_dim, dtype=torch.float32, device=q.device)
         for i in range(n):
             v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
+            if i == keep_chunk:
+                kept = state_inside(i, s, v_new)
             torch.bmm(intra[:, i], v_new, out=out[i]).baddbmm_(q_decayed[:, i], s)
             s.mul_(chunk_decay[:, i]).baddbmm_(k_to_end[:, i], v_new)
     out = out.transpose(1, 2).reshape(n * chunk, heads, value_dim)[front : front + steps]
-    return out.to(out_dtype), s
+    return out.to(out_dtype), s, kept
+
+
+def _state_inside_chunk(
+    before: torch.Tensor, key_t: torch.Tensor, v_new: torch.Tensor, cum_decay: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """The state after the first ``rows`` rows of a chunk, from the state ``before [HV, K, V]`` it, the
+    chunk's keys ``key_t [HV, K, C]``, its corrected values ``v_new [HV, C, V]`` and cumulative log decays
+    ``cum_decay [HV, C]``.
+
+    Row ``j < rows`` of ``v_new`` depends only on rows ``<= j`` (the chunk's system is lower triangular),
+    so it is what a call ending at ``rows`` computes; that call's last chunk is zero-padded after ``rows``,
+    which is why the rows from ``rows`` on are zeroed here rather than cut: the matmul then has that call's
+    shape and sums the same terms in the same order, and the state equals the one it leaves.
+    """
+    last = cum_decay[:, rows - 1 : rows]  # [HV, 1]
+    to_point = (last - cum_decay).exp()
+    to_point[:, rows:] = 0
+    v_head = v_new.clone()
+    v_head[:, rows:] = 0
+    return torch.baddbmm(before * last.exp()[..., None], key_t * to_point[:, None, :], v_head)
 
 
 def gated_delta_rule(
@@ -213,11 +283,16 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor | None,
     past: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: the recurrent form for a few tokens and the chunked form for many."""
+    keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One sequence: the recurrent form for a few tokens and the chunked form for many. ``keep``
+    (``0 < keep < T``): the third value is the state after the first ``keep`` tokens (else None)."""
     if q.shape[0] <= RECURRENT_MAX:
-        return recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    return chunk_gated_delta_rule(q, k, v, g, beta, state, past)
+        return _recurrent(q, k, v, g, beta, state, keep)
+    if 0 < keep <= RECURRENT_MAX:  # a call over just those tokens would take the recurrent form
+        out, final, _ = _chunked(q, k, v, g, beta, state, past, CHUNK, 0)
+        return out, final, _recurrent(q[:keep], k[:keep], v[:keep], g[:keep], beta[:keep], state, 0)[1]
+    return _chunked(q, k, v, g, beta, state, past, CHUNK, keep)
 
 
 def gated_delta_rule_varlen(
@@ -233,12 +308,38 @@ def gated_delta_rule_varlen(
     """Several sequences' new tokens side by side (rows of sequence ``i`` follow those of ``i - 1``), each
     from its own state ``initial [B, HV, K, V]`` (zeros for a sequence that starts here): the reference,
     one :func:`gated_delta_rule` call per sequence. Returns ``(o [N, HV, V], final states [B, HV, K, V])``."""
-    outs, finals, start = [], [], 0
-    for i, (n, past) in enumerate(zip(seq_lens, past_lens, strict=True)):
+    out, finals, _ = gated_delta_rule_varlen_keeping(q, k, v, g, beta, initial, seq_lens, past_lens,
+                                                     (0,) * len(seq_lens))
+    return out, finals
+
+
+def gated_delta_rule_varlen_keeping(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    past_lens: tuple[int, ...],
+    keep: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`gated_delta_rule_varlen` that also returns, for each sequence with ``0 < keep[i] < n``, its
+    state after its first ``keep[i]`` new tokens (in sequence order): a prefix-cache snapshot inside a
+    step, without running that sequence in two calls. The output rows are those of the plain call."""
+    outs, finals, kept, start = [], [], [], 0
+    for i, (n, past, d) in enumerate(zip(seq_lens, past_lens, keep, strict=True)):
         end = start + n
-        out, final = gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                      beta[start:end], initial[i], past)
+        out, final, inside = gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
+                                              beta[start:end], initial[i], past, d if 0 < d < n else 0)
         outs.append(out)
         finals.append(final)
+        if inside is not None:
+            kept.append(inside)
         start = end
-    return torch.cat(outs), torch.stack(finals)
+    return torch.cat(outs), torch.stack(finals), kept
+
+
+# the torch forms can keep states inside a piece; a replacement without this attribute (a GPU kernel, a fault
+# wrapper) makes the layer run a capturing sequence in two calls instead
+gated_delta_rule_varlen.keeping = gated_delta_rule_varlen_keeping  # type: ignore[attr-defined]

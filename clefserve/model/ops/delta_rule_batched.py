@@ -22,7 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from clefserve.model.ops.delta_rule import CHUNK, RECURRENT_MAX, gated_delta_rule_varlen, solve_unit_lower
+from clefserve.model.ops.delta_rule import (
+    CHUNK,
+    RECURRENT_MAX,
+    gated_delta_rule_varlen,
+    gated_delta_rule_varlen_keeping,
+    solve_unit_lower,
+)
 
 # Where the step-batched form beat the per-sequence one on a 2-core CPU (fp32, 2 threads; min of 10-30 runs):
 # 1.2-2.6x for 2-12 pieces of 20-300 tokens with 16-wide heads and of 20-160 with 32-wide ones; 0.65-0.95x
@@ -155,3 +161,7 @@ def gated_delta_rule_cpu(
     if many_small:
         return chunk_gated_delta_rule_batched(q, k, v, g, beta, initial, seq_lens, past_lens)
     return gated_delta_rule_varlen(q, k, v, g, beta, initial, seq_lens, past_lens)
+
+
+# a step with a prefix-cache snapshot inside a piece goes per sequence, keeping the state there
+gated_delta_rule_cpu.keeping = gated_delta_rule_varlen_keeping  # type: ignore[attr-defined]
