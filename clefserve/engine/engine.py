@@ -80,7 +80,6 @@ class Engine:
         self.runner = ModelRunner(model, self.kv, self.states)
         if model.device.type == "cpu":
             self._fault_in_pools(config)
-        if model.device.type == "cpu":
             log.info("threads: %d intra-op thread(s)", torch.get_num_threads())
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:

@@ -226,9 +226,7 @@ def _chunked(
     keep_chunk, keep_rows = divmod(front + keep, chunk) if keep else (-1, 0)
     kept = None
 
-    def state_inside(i: int, before: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor | None:
-        if i != keep_chunk:
-            return None
+    def state_inside(i: int, before: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         if not keep_rows:
             return before.clone()
         key_t = k_t[:, i].unsqueeze(1).expand(*grouped, key_dim, chunk).flatten(0, 1)
@@ -238,7 +236,8 @@ def _chunked(
         outs = []
         for i in range(n):
             v_new = torch.baddbmm(values[:, i], key_decay[:, i], s, alpha=-1)
-            kept = state_inside(i, s, v_new) if kept is None else kept
+            if i == keep_chunk:
+                kept = state_inside(i, s, v_new)
             outs.append(torch.baddbmm(intra[:, i] @ v_new, q_decayed[:, i], s))
             s = torch.baddbmm(s * chunk_decay[:, i], k_to_end[:, i], v_new)
         out = torch.stack(outs)
