@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from clefserve.engine import Engine, kv_pool
+from clefserve.engine import engine as engine_module
 from clefserve.engine.kv_pool import BlockAllocator, KVPool
 from clefserve.engine.runner import ModelRunner
 from clefserve.engine.sequence import Sequence
@@ -128,3 +131,26 @@ def test_an_engine_on_the_cpu_faults_in_the_blocks_a_full_batch_and_the_prefix_c
         ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
         engine.submit(ids).result()
         assert kv.resident_blocks == bound  # serving stayed inside the faulted-in blocks
+
+
+@pytest.mark.parametrize(("prefix_cache", "kv_cache_mb", "bound"),
+                         [(True, 64, "budget"), (True, 1, "pool"), (False, 64, None)])
+def test_the_engine_thread_grows_its_heap_by_what_the_prefix_cache_can_hold_before_serving(
+    make_release, monkeypatch, prefix_cache, kv_cache_mb, bound
+):
+    calls = []
+    monkeypatch.setattr(engine_module, "prefault_heap",
+                        lambda nbytes: calls.append((threading.current_thread().name, nbytes)) or nbytes)
+    model = load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=7))
+    config = small_config(kv_cache_mb=kv_cache_mb, max_length=40, prefix_cache_mb=2,
+                          prefix_cache=prefix_cache)
+    with Engine(model, config, keep_hidden) as engine:
+        engine.submit(torch.arange(12)).result()
+        budget, pool = engine.pools.prefix_cache_bytes, engine.pools.kv_bytes
+    # on the thread whose heap the cache's snapshots and hidden rows come from: its budget, or the KV pool's
+    # size where that is smaller; nothing without a cache
+    if bound is None:
+        assert calls == []
+    else:
+        assert calls == [("engine", budget if bound == "budget" else pool)]
+        assert (budget < pool) == (bound == "budget")

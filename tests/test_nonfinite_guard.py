@@ -13,7 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from clefserve.errors import NonFiniteError
+from clefserve.errors import NonFiniteError, all_finite
 from clefserve.formats.clef import ClefDecider
 from clefserve.formats.clef.engine_backend import EngineBackend
 from clefserve.server import create_app
@@ -86,3 +86,17 @@ def test_nan_logits_are_refused(decider, monkeypatch):
         assert backend.stats()["nonfinite_outputs"] == 1
     finally:
         backend.engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finiteness_check_is_exact_where_a_sum_would_overflow_or_hide_nothing(dtype):
+    big = torch.finfo(dtype).max
+    assert all_finite([torch.randn(300, 64).to(dtype), torch.empty(0, dtype=dtype), torch.arange(5)])
+    assert all_finite([torch.full((4, 3), big, dtype=dtype)])  # finite values whose sum overflows
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in ((0, 0), (299, 63), (150, 17)):
+            x = torch.randn(300, 64).to(dtype)
+            x[where] = bad
+            assert not all_finite([torch.ones(3, dtype=dtype), x])
+    mixed = torch.tensor([big, -big, float("inf")], dtype=dtype)  # sum is NaN, one element is infinite
+    assert not all_finite([mixed])
