@@ -154,3 +154,15 @@ def test_the_engine_thread_grows_its_heap_by_what_the_prefix_cache_can_hold_befo
     else:
         assert calls == [("engine", budget if bound == "budget" else pool)]
         assert (budget < pool) == (bound == "budget")
+
+
+def test_an_engine_whose_heap_cannot_grow_still_serves(make_release, monkeypatch, caplog):
+    def no_memory(nbytes: int) -> int:
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(engine_module, "prefault_heap", no_memory)
+    model = load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=7))
+    with Engine(model, small_config(kv_cache_mb=64, max_length=40), keep_hidden) as engine:
+        hidden = engine.submit(torch.arange(12)).result(timeout=120)
+    assert hidden.shape[0] == 12
+    assert "could not grow the engine thread's heap" in caplog.text

@@ -312,7 +312,11 @@ class Engine:
         than the KV pool's size (it holds at most the pool's blocks, and its hidden rows and GDN snapshots
         for those tokens are of the order of their K/V, a quarter of it on Clef's shapes)."""
         started = time.perf_counter()
-        grown = prefault_heap(min(self.pools.prefix_cache_bytes, self.pools.kv_bytes))
+        try:
+            grown = prefault_heap(min(self.pools.prefix_cache_bytes, self.pools.kv_bytes))
+        except Exception:  # e.g. no memory for it now: serve anyway; the cache grows the heap as it fills
+            log.warning("could not grow the engine thread's heap for the prefix cache", exc_info=True)
+            return
         if grown:
             log.info("prefix cache: %.0f MiB of the engine thread's heap faulted in before serving (%.2f s)",
                      grown / MIB, time.perf_counter() - started)

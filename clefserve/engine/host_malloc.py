@@ -10,7 +10,7 @@ the next step anyway) and a step faults nothing in.
 
 What a thread's heap keeps, though, is only what it has already grown to. A prefix cache filling up retains
 snapshots and hidden rows between the activation blocks, so the heap grows by the cache's size, page by
-fresh page, inside the steps that fill it (about 10,000 faults and 90-130 ms of kernel time per round of 16
+fresh page, inside the steps that fill it (4,000-41,000 faults and 0.1-0.25 s of kernel time per round of 16
 fresh mixed records on the hidden-256 release). :func:`prefault_heap` grows the engine thread's heap to
 that size before serving, so filling the cache reuses pages that are already there.
 """
