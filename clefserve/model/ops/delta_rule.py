@@ -27,6 +27,21 @@ RECURRENT_MAX = 4  # pieces of up to this many tokens take the recurrent form
 # Xeon (AMX, fp32, 2 threads; min of 9 x 20-30 calls, 64 x 64 systems, 256 right-hand columns), solve /
 # inverse + matmul: 2-16 systems 0.32-0.52x, 32 0.67x, 64 0.79-0.86x, 96 1.3x, 256 1.26x.
 SOLVE_MAX_SYSTEMS = 64
+# Decay factors below FLUSH_BELOW are set to 0. torch's CPU exp computes an element whose result leaves the
+# normal floats (below ~1.2e-38) one at a time, 60-170x slower than the rest, and the strong decays of
+# trained models (A up to 16: tens per token) put most of a chunk's pair decays there; the subnormal
+# factors it returns would then slow every matmul they enter. EXP_FLOOR < ln(FLUSH_BELOW): what is
+# clamped there is flushed.
+EXP_FLOOR = -87.0
+FLUSH_BELOW = 2e-38
+
+
+def decay_factors(log_decay: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    """``exp(log_decay)`` for log decays ``<= 0`` (a positive entry gives 1: what lies above the diagonal
+    of a chunk's pair decays), with factors below ``FLUSH_BELOW`` set to 0. ``scratch``: ``log_decay`` is
+    a temporary the call may overwrite."""
+    x = log_decay.clamp_(EXP_FLOOR, 0.0) if scratch else log_decay.clamp(EXP_FLOOR, 0.0)
+    return F.threshold(x.exp_(), FLUSH_BELOW, 0.0, inplace=not torch.is_grad_enabled())
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,7 +89,7 @@ def _recurrent(
     out_dtype = v.dtype
     s = _initial_state(state, q, v).clone()
     qh, kh, vh = _prepare(q, k, v)
-    decay = g.float().t().exp()  # [HV, T]
+    decay = decay_factors(g.float().t())  # [HV, T]
     beta = beta.float().t()
     out = torch.empty_like(vh)
     kept = None
@@ -198,28 +213,39 @@ def _chunked(
     qc, kc = chunked(q), chunked(k)  # per key head [H, n, C, K]
     gc = chunked(g.float()).cumsum(-1)  # [HV, n, C]: cumulative log decay inside each chunk
     bc = chunked(beta.float())[..., None]
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    # exp(gc_i - gc_j) for j <= i, 0 above the diagonal (masked before exp: no overflow, no NaN gradient)
-    pair_decay = (gc[..., :, None] - gc[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    # exp(gc_i - gc_j) for j <= i, 0 above the diagonal (gc does not increase along a chunk: the entries above
+    # it are the positive ones, which decay_factors caps at exp(0) before tril clears them)
+    pair_decay = decay_factors(gc[..., :, None] - gc[..., None, :], scratch=True).tril()
 
     k_t = kc.transpose(-1, -2).contiguous()  # [H, n, K, C]
     gram = (kc @ k_t).unsqueeze(1)  # [H, 1, n, C, C], shared by the value heads of a key head
     scores = (qc @ k_t).unsqueeze(1)
-    system = (gram * (pair_decay.tril(-1) * bc).view(*grouped, n, chunk, chunk)).view(heads, n, chunk, chunk)
+    system = (gram * (pair_decay * bc).view(*grouped, n, chunk, chunk)).view(heads, n, chunk, chunk)
+    system.diagonal(dim1=-2, dim2=-1).zero_()  # strictly lower: the unit diagonal is implied
     intra = (scores * pair_decay.view(*grouped, n, chunk, chunk)).view(heads, n, chunk, chunk)
 
     # one solve for both right-hand sides, [v * beta | k * beta * exp(gc)]
-    gexp = gc.exp()
-    k_weighted = (kc.unsqueeze(1) * (bc * gexp[..., None]).view(*grouped, n, chunk, 1)).flatten(0, 1)
-    rhs = torch.cat((chunked(v.float()) * bc, k_weighted), dim=-1)
-    solved = solve_unit_lower(system, rhs)
+    gexp = decay_factors(gc)
+    k_weight = (bc * gexp[..., None]).view(*grouped, n, chunk, 1)
+    if torch.is_grad_enabled():  # autograd takes no out= arguments
+        v_beta = chunked(v.float()).view(*grouped, n, chunk, value_dim) * bc.view(*grouped, n, chunk, 1)
+        rhs = torch.cat((v_beta, kc.unsqueeze(1) * k_weight), dim=-1)
+    else:  # both halves written in place, v * beta straight into the padded rows
+        rhs = torch.empty(heads, n * chunk, value_dim + key_dim, device=q.device)
+        rhs[:, :front, :value_dim] = 0
+        rhs[:, front + steps :, :value_dim] = 0
+        torch.mul(v.float().transpose(0, 1), beta.float().t()[..., None],
+                  out=rhs[:, front : front + steps, :value_dim])
+        rhs = rhs.view(*grouped, n, chunk, value_dim + key_dim)
+        torch.mul(kc.unsqueeze(1), k_weight, out=rhs[..., value_dim:])
+    solved = solve_unit_lower(system, rhs.flatten(0, 1))
     values, key_decay = solved[..., :value_dim], solved[..., value_dim:]
 
     q_decayed = (qc.unsqueeze(1) * gexp.view(*grouped, n, chunk, 1)).flatten(0, 1)
     last = gc[..., -1:]
-    to_end = (last - gc).exp().view(*grouped, n, 1, chunk)
+    to_end = decay_factors(last - gc, scratch=True).view(*grouped, n, 1, chunk)
     k_to_end = (k_t.unsqueeze(1) * to_end).flatten(0, 1)  # [HV, n, K, C]
-    chunk_decay = last.exp()[..., None]  # [HV, n, 1, 1]
+    chunk_decay = decay_factors(last)[..., None]  # [HV, n, 1, 1]
 
     s = _initial_state(state, q, v)
     # where the kept state lies: before chunk ``keep_chunk``, plus its first ``keep_rows`` rows
@@ -267,11 +293,11 @@ def _state_inside_chunk(
     shape and sums the same terms in the same order, and the state equals the one it leaves.
     """
     last = cum_decay[:, rows - 1 : rows]  # [HV, 1]
-    to_point = (last - cum_decay).exp()
+    to_point = decay_factors(last - cum_decay, scratch=True)
     to_point[:, rows:] = 0
     v_head = v_new.clone()
     v_head[:, rows:] = 0
-    return torch.baddbmm(before * last.exp()[..., None], key_t * to_point[:, None, :], v_head)
+    return torch.baddbmm(before * decay_factors(last)[..., None], key_t * to_point[:, None, :], v_head)
 
 
 def gated_delta_rule(

@@ -25,6 +25,7 @@ import torch
 from clefserve.model.ops.delta_rule import (
     CHUNK,
     RECURRENT_MAX,
+    decay_factors,
     gated_delta_rule_varlen,
     gated_delta_rule_varlen_keeping,
     solve_unit_lower,
@@ -102,18 +103,18 @@ def chunk_gated_delta_rule_batched(
     qc, kc, vc = padded(q), padded(k), padded(v.float())
     gc = padded(g.float()).cumsum(-1)  # [n, HV, C]: cumulative log decay inside each chunk
     bc = padded(beta.float())[..., None]
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    pair_decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    pair_decay = decay_factors(gc[..., :, None] - gc[..., None, :], scratch=True).tril()
 
     k_beta = kc * bc
     system = ((k_beta @ kc.transpose(-1, -2)) * pair_decay).tril(-1)
-    solved = solve_unit_lower(system, torch.cat((vc * bc, k_beta * gc.exp()[..., None]), dim=-1))
+    gexp = decay_factors(gc)
+    solved = solve_unit_lower(system, torch.cat((vc * bc, k_beta * gexp[..., None]), dim=-1))
     values, key_decay = solved[..., :value_dim], solved[..., value_dim:]
     intra = (qc @ kc.transpose(-1, -2)) * pair_decay
-    q_decayed = qc * gc.exp()[..., None]
+    q_decayed = qc * gexp[..., None]
     last = gc[..., -1:]
-    k_to_end = (kc * (last - gc).exp()[..., None]).transpose(-1, -2).contiguous()
-    chunk_decay = last.exp()[..., None]  # [n, HV, 1, 1]
+    k_to_end = (kc * decay_factors(last - gc, scratch=True)[..., None]).transpose(-1, -2).contiguous()
+    chunk_decay = decay_factors(last)[..., None]  # [n, HV, 1, 1]
 
     before = initial.new_empty(n, heads_v, key_dim, value_dim, dtype=torch.float32)  # state before a chunk
     v_new = torch.empty_like(vc)
