@@ -29,6 +29,7 @@ from clefserve.engine.runner import ModelRunner
 from clefserve.engine.scheduler import Scheduler, StepPlan
 from clefserve.engine.sequence import FinishedSequence, Sequence, Status
 from clefserve.engine.state_pool import StatePool
+from clefserve.engine.subnormals import flush_subnormals_here
 from clefserve.errors import RequestError
 from clefserve.model.backbone import Backbone
 from clefserve.model.inputs import InputsProvider, SequenceInputs
@@ -298,8 +299,11 @@ class Engine:
         return fut.result()
 
     def _loop(self) -> None:
-        if self.prefix_cache is not None and self.model.device.type == "cpu":
-            self._grow_heap_for_cache()
+        if self.model.device.type == "cpu":
+            flushed = flush_subnormals_here()
+            log.info("subnormal floats on the engine thread: %s", "flushed to zero" if flushed else "kept")
+            if self.prefix_cache is not None:
+                self._grow_heap_for_cache()
         with torch.inference_mode():
             self._serve()
 
