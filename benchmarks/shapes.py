@@ -6,17 +6,26 @@
 - ``qwen9b-2048``: Qwen3.5-9B's proportions scaled down evenly to hidden 2048 (GDN 8 key / 16 value heads of
   128, attention 8 query / 2 KV heads of 256, FFN 3x hidden, 3 GDN : 1 attention) with 4 layers; GEMMs
   dominate, as on the real model.
+- ``clef256-qwen-decays``: ``clef256`` with the Gated DeltaNet decay rates that Qwen3.5 starts training from
+  (``QWEN_DECAY_RATES``, A up to 16 rather than 0.5): a chunk's decays then fall below the normal floats, as a
+  trained model's do, which the mild random releases never show.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from clefserve.testing.release import build_release, clef_shaped_spec
+from clefserve.testing.release import QWEN_DECAY_RATES, build_release, clef_shaped_spec
 
-SHAPES = {"clef256": (256, 8), "qwen9b-2048": (2048, 4)}
+MILD_DECAY_RATES = (0.02, 0.5)
+# name: (hidden size, layers, decay rates)
+SHAPES = {
+    "clef256": (256, 8, MILD_DECAY_RATES),
+    "qwen9b-2048": (2048, 4, MILD_DECAY_RATES),
+    "clef256-qwen-decays": (256, 8, QWEN_DECAY_RATES),
+}
 
 
 def build_shape(name: str, folder: Path, seed: int = 0) -> Path:
-    hidden, layers = SHAPES[name]
-    return build_release(folder, clef_shaped_spec(hidden, layers), seed=seed)
+    hidden, layers, decay_rates = SHAPES[name]
+    return build_release(folder, clef_shaped_spec(hidden, layers, decay_rates=decay_rates), seed=seed)

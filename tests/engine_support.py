@@ -16,7 +16,8 @@ from tests.backbone_specs import BACKBONE_SPECS
 
 L, F = "linear_attention", "full_attention"
 
-# 3:1 default; two attention layers with one KV head and a conv kernel of 3; a tied CausalLM folder.
+# 3:1 default; two attention layers with one KV head and a conv kernel of 3; a tied CausalLM folder; decays as
+# strong as Qwen3.5's.
 ENGINE_SPECS = {
     "default": ReleaseSpec(head=None),
     "two-attn": ReleaseSpec(
@@ -31,6 +32,7 @@ ENGINE_SPECS = {
         linear_conv_kernel_dim=3,
     ),
     "causal-lm": BACKBONE_SPECS["causal-lm-tied"],
+    "qwen-decays": BACKBONE_SPECS["qwen-decays"],
 }
 
 

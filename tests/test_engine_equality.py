@@ -20,7 +20,7 @@ from tests.kernel_modes import KERNEL_MODES, use_kernels
 TOLERANCE = 1e-5
 
 # (max_num_seqs, prefill_chunk_size, block_size) per spec: blocks of 5 tokens do not divide the chunks
-SHAPES = {"default": (3, 48, 8), "two-attn": (2, 32, 5), "causal-lm": (4, 64, 16)}
+SHAPES = {"default": (3, 48, 8), "two-attn": (2, 32, 5), "causal-lm": (4, 64, 16), "qwen-decays": (3, 48, 8)}
 
 
 def _lengths(chunk: int, rng: random.Random) -> list[int]:

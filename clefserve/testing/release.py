@@ -23,6 +23,11 @@ from clefserve.vision.config import VisionConfig
 from clefserve.vision.preprocess import PreprocessorConfig
 from clefserve.vision.tower import VisionTower
 
+# Gated DeltaNet decay rates A = exp(A_log) as Qwen3.5 initialises them (uniform over (0, 16)): with
+# softplus(a + dt_bias) near 1, a token decays the state by up to e^-16 and a chunk's cumulative decays fall
+# far below the smallest normal float, where the CPU's arithmetic is slow (clefserve.engine.subnormals).
+QWEN_DECAY_RATES = (0.02, 16.0)
+
 
 @dataclass
 class VisionSpec:
@@ -92,6 +97,9 @@ class ReleaseSpec:
     partial_rotary_factor: float = 0.25
     tokenizer_vocab: int = 640
     tie_word_embeddings: bool = False
+    # the range of the Gated DeltaNet decay rates A = exp(A_log), drawn uniformly: mild by default, or
+    # QWEN_DECAY_RATES
+    decay_rates: tuple[float, float] = (0.02, 0.5)
     conditional_generation: bool = True
     # None: a text-only release (a vision_config without model.visual.* tensors, as before images)
     vision: VisionSpec | None = None
@@ -153,15 +161,17 @@ class ReleaseSpec:
         return [share, share, frequencies - 2 * share]
 
 
-def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """A random weight for parameter ``name``, made on ``gen``'s device (a CUDA generator: on the GPU)."""
+def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator,
+                  decay_rates: tuple[float, float] = (0.02, 0.5)) -> torch.Tensor:
+    """A random weight for parameter ``name``, made on ``gen``'s device (a CUDA generator: on the GPU);
+    ``decay_rates``: the range of the Gated DeltaNet decay rates ``exp(A_log)``."""
     device = gen.device
 
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device) * std
 
     if name.endswith("A_log"):
-        return torch.empty(shape, device=device).uniform_(0.02, 0.5, generator=gen).log()
+        return torch.empty(shape, device=device).uniform_(*decay_rates, generator=gen).log()
     if name.endswith("dt_bias"):
         return normal(0.5)
     if name.endswith("linear_attn.norm.weight"):
@@ -202,7 +212,8 @@ def vision_tensors(config: VisionConfig, seed: int) -> dict[str, torch.Tensor]:
             for name, p in skeleton.named_parameters()}
 
 
-def backbone_tensors(config: BackboneConfig, seed: int) -> dict[str, torch.Tensor]:
+def backbone_tensors(config: BackboneConfig, seed: int,
+                     decay_rates: tuple[float, float] = (0.02, 0.5)) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         skeleton = Backbone(config)
@@ -210,7 +221,7 @@ def backbone_tensors(config: BackboneConfig, seed: int) -> dict[str, torch.Tenso
     for name, param in skeleton.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        out[checkpoint_name(config, name)] = random_weight(name, tuple(param.shape), gen)
+        out[checkpoint_name(config, name)] = random_weight(name, tuple(param.shape), gen, decay_rates)
     return out
 
 
@@ -258,7 +269,7 @@ def build_release(
     raw = release_config(spec, tokenizer)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     config = BackboneConfig.from_dict(raw)
-    tensors = backbone_tensors(config, seed)
+    tensors = backbone_tensors(config, seed, spec.decay_rates)
     if spec.vision is not None:
         if not spec.conditional_generation:
             raise ValueError("a vision tower needs a ConditionalGeneration release")
@@ -300,7 +311,7 @@ def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
 
 
 def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: bool = True,
-                     vision: bool = False) -> ReleaseSpec:
+                     vision: bool = False, decay_rates: tuple[float, float] = (0.02, 0.5)) -> ReleaseSpec:
     """Clef-flash's proportions at a small width: 3 GDN : 1 attention, GDN heads of 128 with twice as many
     value heads as key heads, attention heads of 256 with 4 query heads per KV head, FFN 3x hidden.
     ``vision``: a vision tower of Qwen3.5's shape at a small width (patch 16, merge 2, a 48 x 48 position
@@ -322,6 +333,7 @@ def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: b
         vision=VisionSpec(depth=4, hidden_size=128, intermediate_size=512, num_heads=2,
                           num_position_embeddings=2304, min_pixels=64 * 64, max_pixels=1024 * 1024)
         if vision else None,
+        decay_rates=decay_rates,
     )
 
 
