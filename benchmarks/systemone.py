@@ -35,6 +35,8 @@ from benchmarks.flops import matmul_peak, prefill_flops
 from benchmarks.shapes import SHAPES, build_shape
 from benchmarks.workload import make_request
 from clefserve.config import DTYPES
+from clefserve.engine.openmp import release_thread_team
+from clefserve.engine.subnormals import flush_subnormals_here
 from clefserve.formats.clef.encoder import ClefEncoder
 from clefserve.model.ops.select import select_ops
 from clefserve.model.weights import load_backbone
@@ -120,7 +122,7 @@ def run_server(url: str, requests: list[dict], concurrency: int) -> Run:
 
 def long_prefill_utilisation(folder: Path, dtype: torch.dtype, tokens: int) -> tuple[float, float]:
     """Our backbone (serving ops) on one ``tokens``-long record in engine-sized pieces: FLOP/s and share of
-    the matmul peak."""
+    the matmul peak. Timed on a thread of its own that flushes subnormals, as the engine's does."""
     model = load_backbone(folder, dtype=dtype)
     model.set_ops(select_ops(model.device, dtype))
     ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
@@ -130,9 +132,18 @@ def long_prefill_utilisation(folder: Path, dtype: torch.dtype, tokens: int) -> t
         for start in range(0, tokens, 1024):
             _, state = model.run_sequence(ids[start : start + 1024], state)
 
-    with torch.inference_mode():
-        run()
-        best = min(_timed(run) for _ in range(3))
+    def best_of_three() -> float:
+        flush_subnormals_here()
+        try:
+            with torch.inference_mode():
+                run()
+                return min(_timed(run) for _ in range(3))
+        finally:
+            release_thread_team()
+
+    release_thread_team()  # this thread's idle team would throttle the timed one's (clefserve.engine.openmp)
+    with ThreadPoolExecutor(1) as thread:
+        best = thread.submit(best_of_three).result()
     achieved = prefill_flops(model.config, tokens) / best
     # a CPU without native bf16/f16 GEMMs runs them at a few GFLOP/s: smaller sizes find that peak as well
     sizes = (1024, 2048, 3072) if dtype == torch.float32 else (1024, 2048)
