@@ -5,15 +5,12 @@ Run in a fresh interpreter: pytest's own process has run torch on other threads 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from clefserve.engine.openmp import _libgomp
+from tests.fresh_process import run_reporting_json
 
 pytestmark = pytest.mark.skipif(_libgomp() is None, reason="torch here does not run on GNU OpenMP")
 
@@ -57,10 +54,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_release_lets_the_idle_team_of_a_living_thread_exit() -> None:
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = run_reporting_json(SCRIPT)
     assert report["released"] is True
     assert report["with_team"] > report["before"]  # the parallel region started a worker thread
     assert report["after_release"] == report["before"]  # and it is gone while the thread lives on

@@ -3,11 +3,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import platform
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +12,7 @@ import torch
 from clefserve.engine import Engine
 from clefserve.model.weights import load_backbone
 from tests.engine_support import ENGINE_SPECS, keep_hidden, small_config
+from tests.fresh_process import run_reporting_json
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="FTZ/DAZ are x86 control bits")
@@ -48,10 +45,7 @@ SCRIPT = textwrap.dedent(f"""
 
 
 def test_the_flushing_thread_and_its_team_flush_and_other_threads_do_not() -> None:
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = run_reporting_json(SCRIPT)
     assert report["flushing"] is True
     assert report["serial"] == 0.0
     assert report["parallel_nonzero"] == 0  # the team built again after flushing flushes too
