@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clefserve.testing.release import QWEN_DECAY_RATES, build_release, clef_shaped_spec
+from clefserve.testing.release import MILD_DECAY_RATES, QWEN_DECAY_RATES, build_release, clef_shaped_spec
 
-MILD_DECAY_RATES = (0.02, 0.5)
 # name: (hidden size, layers, decay rates)
 SHAPES = {
     "clef256": (256, 8, MILD_DECAY_RATES),

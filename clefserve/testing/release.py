@@ -27,6 +27,7 @@ from clefserve.vision.tower import VisionTower
 # softplus(a + dt_bias) near 1, a token decays the state by up to e^-16 and a chunk's cumulative decays fall
 # far below the smallest normal float, where the CPU's arithmetic is slow (clefserve.engine.subnormals).
 QWEN_DECAY_RATES = (0.02, 16.0)
+MILD_DECAY_RATES = (0.02, 0.5)  # the default: decays under 1 a token
 
 
 @dataclass
@@ -97,9 +98,8 @@ class ReleaseSpec:
     partial_rotary_factor: float = 0.25
     tokenizer_vocab: int = 640
     tie_word_embeddings: bool = False
-    # the range of the Gated DeltaNet decay rates A = exp(A_log), drawn uniformly: mild by default, or
-    # QWEN_DECAY_RATES
-    decay_rates: tuple[float, float] = (0.02, 0.5)
+    # the range of the Gated DeltaNet decay rates A = exp(A_log), drawn uniformly
+    decay_rates: tuple[float, float] = MILD_DECAY_RATES
     conditional_generation: bool = True
     # None: a text-only release (a vision_config without model.visual.* tensors, as before images)
     vision: VisionSpec | None = None
@@ -162,7 +162,7 @@ class ReleaseSpec:
 
 
 def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator,
-                  decay_rates: tuple[float, float] = (0.02, 0.5)) -> torch.Tensor:
+                  decay_rates: tuple[float, float] = MILD_DECAY_RATES) -> torch.Tensor:
     """A random weight for parameter ``name``, made on ``gen``'s device (a CUDA generator: on the GPU);
     ``decay_rates``: the range of the Gated DeltaNet decay rates ``exp(A_log)``."""
     device = gen.device
@@ -213,7 +213,7 @@ def vision_tensors(config: VisionConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def backbone_tensors(config: BackboneConfig, seed: int,
-                     decay_rates: tuple[float, float] = (0.02, 0.5)) -> dict[str, torch.Tensor]:
+                     decay_rates: tuple[float, float] = MILD_DECAY_RATES) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         skeleton = Backbone(config)
@@ -311,7 +311,8 @@ def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
 
 
 def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: bool = True,
-                     vision: bool = False, decay_rates: tuple[float, float] = (0.02, 0.5)) -> ReleaseSpec:
+                     vision: bool = False,
+                     decay_rates: tuple[float, float] = MILD_DECAY_RATES) -> ReleaseSpec:
     """Clef-flash's proportions at a small width: 3 GDN : 1 attention, GDN heads of 128 with twice as many
     value heads as key heads, attention heads of 256 with 4 query heads per KV head, FFN 3x hidden.
     ``vision``: a vision tower of Qwen3.5's shape at a small width (patch 16, merge 2, a 48 x 48 position
