@@ -12,6 +12,7 @@ from clefserve.model.ops.delta_rule import (
     chunk_gated_delta_rule,
     decay_factors,
 )
+from tests.delta_oracle import delta_rule_float64
 
 
 def test_decay_factors_equal_exp_where_normal_and_zero_below() -> None:
@@ -36,22 +37,6 @@ def test_scratch_and_gradients() -> None:
     assert torch.equal(leaf.grad[~kept], torch.zeros_like(leaf.grad[~kept]))
 
 
-def _recurrence(q, k, v, g, beta, state):
-    """The gated delta rule token by token in float64 with plain exp (no flushing): the oracle."""
-    q, k, v, g, beta, s = (t.double() for t in (q, k, v, g, beta, state))
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    repeat = v.shape[1] // q.shape[1]
-    q, k = q.repeat_interleave(repeat, 1), k.repeat_interleave(repeat, 1)
-    out = torch.empty_like(v)
-    for t in range(q.shape[0]):
-        s = s * g[t].exp()[:, None, None]
-        delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]
-        s = s + k[t][:, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
-    return out, s
-
-
 @pytest.mark.parametrize("past", [0, 37])
 def test_chunked_rule_with_decays_below_the_normal_floats_matches_the_recurrence(past) -> None:
     gen = torch.Generator().manual_seed(past)
@@ -64,6 +49,6 @@ def test_chunked_rule_with_decays_below_the_normal_floats_matches_the_recurrence
     assert (g[: CHUNK - past % CHUNK].cumsum(0) < EXP_FLOOR).any()  # a chunk's decays leave the normal floats
     with torch.inference_mode():
         out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, past)
-    want_out, want_final = _recurrence(q, k, v, g, beta, state)
+    want_out, want_final = delta_rule_float64(q, k, v, g, beta, state)
     assert (out.double() - want_out).abs().max().item() <= 1e-5 * max(1.0, want_out.abs().max().item())
     assert (final.double() - want_final).abs().max().item() <= 1e-5 * max(1.0, want_final.abs().max().item())
