@@ -106,7 +106,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class GatedAttention(nn.Module):
@@ -142,7 +144,8 @@ class GatedAttention(nn.Module):
         for seq, start, end in batch.spans():
             all_k, all_v = cache.attention_kv(self.layer, seq, key[start:end], value[start:end])
             out[start:end] = self.ops.causal_attention(query[start:end], all_k, all_v, batch.past_lens[seq])
-        out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
+        gate = torch.sigmoid(gate.reshape(rows, -1))
+        out = out.reshape(rows, -1) * gate if torch.is_grad_enabled() else out.reshape(rows, -1).mul_(gate)
         return self.o_proj(out)
 
 
@@ -276,5 +279,8 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, batch, cache)
         else:
             h = self.self_attn(h, batch, rope, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if torch.is_grad_enabled():
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = h.add_(x)  # h and the MLP's output are this layer's own tensors
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
