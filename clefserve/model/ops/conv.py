@@ -5,6 +5,10 @@ before ``x`` (zeros at the start of a sequence).
 
 Written as K shifted multiply-adds rather than ``F.conv1d``: the same arithmetic for every position
 whatever the length of the call, so a sequence run in pieces gets bit-identical conv outputs.
+
+The taps are summed in fp32 and the sum is rounded to the input dtype once, before the SiLU: what the
+reference's ``nn.Conv1d`` (oneDNN on a CPU) and fla's Triton kernel do. Summing in bf16 would round after
+every tap: a third of the outputs one bf16 unit off the reference's, on random inputs.
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ import torch.nn.functional as F
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(silu(conv(x)) [T, C], new_state [K-1, C])``."""
+    """Returns ``(silu(conv(x)) [T, C], new_state [K-1, C])``, both in x's dtype."""
     kernel = weight.shape[1]
-    steps = x.shape[0]
+    steps, channels = x.shape
     history = kernel - 1
     if state is None:
-        state = x.new_zeros(history, x.shape[1])
-    window = torch.cat((state.to(x.dtype), x))  # [K-1+T, C]
-    taps = weight.to(x.dtype).t().contiguous()  # [K, C]: contiguous rows keep the multiply-adds vectorised
+        state = x.new_zeros(history, channels)
+    window = x.new_empty(history + steps, channels, dtype=torch.float32)  # [K-1+T, C]
+    torch.cat((state.to(x.dtype), x), out=window)  # exact: every input dtype widens to fp32
+    taps = weight.float().t().contiguous()  # [K, C]: contiguous rows keep the multiply-adds vectorised
     out = window[0:steps] * taps[0]
     for tap in range(1, kernel):
         out.addcmul_(window[tap : tap + steps], taps[tap])
-    return F.silu(out), window[window.shape[0] - history :].clone()
+    new_state = window[window.shape[0] - history :].to(x.dtype, copy=True)
+    return F.silu(out.to(x.dtype)), new_state
