@@ -26,8 +26,12 @@ def causal_conv1d(
     history = kernel - 1
     if state is None:
         state = x.new_zeros(history, channels)
-    window = x.new_empty(history + steps, channels, dtype=torch.float32)  # [K-1+T, C]
-    torch.cat((state.to(x.dtype), x), out=window)  # exact: every input dtype widens to fp32
+    parts = (state.to(x.dtype), x)
+    if torch.is_grad_enabled() and (x.requires_grad or state.requires_grad):
+        window = torch.cat(parts).float()  # out= forms record no gradient (the demo's training script)
+    else:
+        window = x.new_empty(history + steps, channels, dtype=torch.float32)  # [K-1+T, C]
+        torch.cat(parts, out=window)  # exact: every input dtype widens to fp32
     taps = weight.float().t().contiguous()  # [K, C]: contiguous rows keep the multiply-adds vectorised
     out = window[0:steps] * taps[0]
     for tap in range(1, kernel):
