@@ -167,8 +167,9 @@ def test_the_self_check_fits_the_smallest_queue(make_release):
 
 
 def test_threads_that_did_torch_work_let_their_openmp_team_go(decider, monkeypatch):
-    """The loading thread (also when loading fails) and a request's encoding thread release their OpenMP
-    team when done: an idle team beside the engine's made every op of a step wait on the kernel."""
+    """The loading thread (also when loading fails), a request's encoding thread and the thread that ran the
+    self-check release their OpenMP team when done: an idle team beside the engine's made every op of a step
+    wait on the kernel."""
     import threading
 
     from clefserve.formats.clef import engine_backend
@@ -187,3 +188,12 @@ def test_threads_that_did_torch_work_let_their_openmp_team_go(decider, monkeypat
     body = RequestGenerator(seed=5).request(long_state=False, max_questions=2)
     record, _ = EngineBackend._prepare(decider, body)
     assert record.input_ids and released == [threading.get_ident()]
+
+    released.clear()  # the self-check's reference path runs on the calling thread (an embedder's, Ray's)
+    backend = EngineBackend(decider, _config(), "clef-test")
+    try:
+        assert backend.run_self_check() == []
+        assert released == [threading.get_ident()]
+    finally:
+        assert backend.engine is not None
+        backend.engine.shutdown()

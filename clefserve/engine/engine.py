@@ -24,6 +24,7 @@ from clefserve.engine.errors import EngineClosedError, StepError
 from clefserve.engine.host_malloc import keep_freed_memory, prefault_heap
 from clefserve.engine.kv_pool import KVPool
 from clefserve.engine.memory import MIB, MemoryBudget, PoolPlan, measure_memory, plan_pools
+from clefserve.engine.openmp import release_thread_team
 from clefserve.engine.prefix_cache import PrefixCache
 from clefserve.engine.runner import ModelRunner
 from clefserve.engine.scheduler import Scheduler, StepPlan
@@ -107,6 +108,10 @@ class Engine:
              "cancelled_running", "failed", "rejected"),
             0,
         )
+        if model.device.type == "cpu":
+            # zeroing and faulting in the pools ran parallel regions here: the calling thread's idle OpenMP
+            # team would make the engine's wait on the kernel in every op (clefserve.engine.openmp)
+            release_thread_team()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 

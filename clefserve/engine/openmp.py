@@ -12,7 +12,9 @@ against 4.4-4.5 s once it was released, kernel time 1.5-2.5 s against 0.6 s.
 
 So a thread that did torch work off the engine's thread releases its team when it is done
 (``omp_pause_resource_all``; in libgomp it frees the calling thread's pool only, and a later parallel
-region there builds a new one).
+region there builds a new one). The engine does it for the thread that builds it (the pools are zeroed
+there): an embedder that built one on its own thread and only fed it afterwards had the engine's steps in
+the throttled wait, 15-18% of the CPU idle and ~30,000 context switches a second.
 """
 
 from __future__ import annotations

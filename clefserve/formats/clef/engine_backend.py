@@ -262,7 +262,10 @@ class EngineBackend:
             served.extend(future.result() for future in futures)
             return served
 
-        problems, report = canaries_module.self_check(decider, serve, canaries, decider.backbone.dtype)
+        try:
+            problems, report = canaries_module.self_check(decider, serve, canaries, decider.backbone.dtype)
+        finally:  # the reference path ran on this thread: its idle OpenMP team would slow the engine's
+            release_thread_team()
         elapsed = time.perf_counter() - started
         self._check_finished_at = dt.datetime.now(dt.UTC)
         self._check_result = "failed" if problems else "passed"
