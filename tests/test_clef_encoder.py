@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -195,3 +199,29 @@ def test_caller_tokenizer_untouched_and_missing_file(tmp_path) -> None:
     assert record.state_end - record.prefix_end > 8
     with pytest.raises(ReleaseError, match=r"tokenizer\.json"):
         ClefEncoder.from_folder(tmp_path)
+
+
+ENCODE_SCRIPT = """
+import json, os, sys
+from clefserve.formats.clef import ClefEncoder
+from tests.request_gen import RequestGenerator
+
+encoder = ClefEncoder.from_folder(sys.argv[1])
+before = len(os.listdir("/proc/self/task"))
+for request in RequestGenerator(seed=9).requests(5):
+    encoder.encode(request)
+print(json.dumps({"before": before, "after": len(os.listdir("/proc/self/task"))}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_encoding_starts_no_threads(tokenizer_folders) -> None:
+    """A record's texts are tokenized on the calling thread: ``encode_batch`` started a rayon pool of a
+    thread per core whose spinning took the cores from the engine's OpenMP team (a fresh interpreter,
+    as building the test releases here trained tokenizers on that pool)."""
+    command = [sys.executable, "-c", ENCODE_SCRIPT, str(tokenizer_folders[0])]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["after"] == report["before"]
