@@ -10,9 +10,10 @@ import sys
 from typing import Any
 
 
-def run_reporting_json(script: str) -> Any:
-    """Run ``script`` with two OpenMP threads; what its last line of output says, as JSON."""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+def run_reporting_json(script: str, *args: str) -> Any:
+    """Run ``script`` (``sys.argv[1:]`` = ``args``) with two OpenMP threads; what its last line of output
+    says, as JSON."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

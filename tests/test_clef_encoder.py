@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -16,6 +13,7 @@ from clefserve.formats.clef import QUESTION_TYPES, ClefEncoder, render
 from clefserve.formats.clef.encoder import PREFIX, SCHEMA_HEADER, SUFFIX
 from clefserve.testing.release import ReleaseSpec
 from clefserve.testing.tokenizer import train_tokenizer
+from tests.fresh_process import run_reporting_json
 from tests.oracles import jsm, reference_tokenizer
 from tests.request_gen import RequestGenerator
 
@@ -219,9 +217,5 @@ def test_encoding_starts_no_threads(tokenizer_folders) -> None:
     """A record's texts are tokenized on the calling thread: ``encode_batch`` started a rayon pool of a
     thread per core whose spinning took the cores from the engine's OpenMP team (a fresh interpreter,
     as building the test releases here trained tokenizers on that pool)."""
-    command = [sys.executable, "-c", ENCODE_SCRIPT, str(tokenizer_folders[0])]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = run_reporting_json(ENCODE_SCRIPT, str(tokenizer_folders[0]))
     assert report["after"] == report["before"]
