@@ -2,7 +2,8 @@
 
     python -m benchmarks.backbone [--hidden 512] [--layers 8] [--lengths 512 2048] [--repeats 3]
 
-Prints one row per (dtype, length) with both throughputs and their ratio (ours / transformers).
+Prints one row per (dtype, length) with both throughputs and their ratio (ours / transformers). Both run with
+the heap thresholds our server sets (``--heap``, ``benchmarks/heap.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.heap import add_heap_argument, prepare_heap
 from clefserve.model.weights import load_backbone
 from clefserve.testing.release import build_release, clef_shaped_spec
 
@@ -38,8 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["f32", "bf16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_heap_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    heap = prepare_heap(args.heap)
 
     import transformers
 
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_release(Path(tmp), clef_shaped_spec(args.hidden, args.layers, head=False), seed=0)
-        print(f"# release: hidden {args.hidden}, {args.layers} layers, threads {args.threads}")
+        print(f"# release: hidden {args.hidden}, {args.layers} layers, threads {args.threads}, {heap}")
         print(f"{'dtype':>5} {'tokens':>6} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6}")
         for name in args.dtypes:
             dtype = dtypes[name]

@@ -1,8 +1,10 @@
 """Engine throughput against one-at-a-time ``Backbone.run_sequence`` on a random release (never a test).
 
-    python benchmarks/engine_throughput.py --hidden 512 --layers 8 --concurrency 8 --records 32
+    python -m benchmarks.engine_throughput --hidden 512 --layers 8 --concurrency 8 --records 32
 
-Prints tokens/s of both paths, the speed-up, and the engine's step statistics.
+Prints tokens/s of both paths, the speed-up, and the engine's step statistics. Both run with the heap
+thresholds the engine sets (``--heap``, ``benchmarks/heap.py``); under glibc's defaults only the one-at-a-time
+path would fault its working set in again on every record.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks.heap import add_heap_argument, prepare_heap
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine
 from clefserve.engine.openmp import release_thread_team
@@ -34,8 +37,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     parser.add_argument("--threads", type=int, default=2)
+    add_heap_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    heap = prepare_heap(args.heap)
 
     heads = max(1, args.hidden // 64)
     spec = ReleaseSpec(
@@ -55,7 +60,7 @@ def main() -> None:
     records = [torch.randint(0, vocab, (n,)) for n in lengths]
     tokens = sum(len(r) for r in records)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype}; "
-          f"{args.records} records, {tokens} tokens ({args.min_len}-{args.max_len} each)")
+          f"{args.records} records, {tokens} tokens ({args.min_len}-{args.max_len} each); {heap}")
 
     model.run_sequence(records[0][:64])  # warm-up
     started = time.perf_counter()

@@ -1,6 +1,7 @@
 """Images: the vision tower's pictures per second, and the latency of requests with 1 and 4 pictures,
 against the reference (transformers' ``Qwen3_5VisionModel`` for the tower, Cloudflare's ``systemone()``
-with transformers' Qwen3VL processor end to end), same release, dtype and CPU threads.
+with transformers' Qwen3VL processor end to end), same release, dtype and CPU threads; the reference runs in
+this process with the heap thresholds our server sets (``--heap``, ``benchmarks/heap.py``).
 
     python -m benchmarks.images [--dtype f32] [--size 448 448] [--requests 6] [--threads N]
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.heap import add_heap_argument, prepare_heap
 from clefserve.config import DTYPES
 from clefserve.testing.release import build_release, clef_shaped_spec
 from clefserve.testing.server_process import ServerProcess
@@ -119,14 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=6, help="requests per measurement")
     parser.add_argument("--repeats", type=int, default=10, help="tower calls per measurement")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_heap_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    heap = prepare_heap(args.heap)
     dtype, size = DTYPES[args.dtype], tuple(args.size)
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_release(Path(tmp) / "release", clef_shaped_spec(vision=True), seed=0)
         ours, theirs, patches = tower_rate(folder, dtype, size, args.repeats)
         print(f"# {args.dtype}, {args.threads} threads, pictures {size[0]}x{size[1]} ({patches} patches, "
-              f"{patches // 4} tokens)")
+              f"{patches // 4} tokens); reference: {heap}")
         print(f"vision tower: clef-serve {ours:6.2f} pictures/s, transformers {theirs:6.2f} pictures/s "
               f"({ours / theirs:.2f}x)")
         log = Path(tmp) / "server.log"

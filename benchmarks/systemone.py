@@ -16,7 +16,8 @@ For each dtype it prints:
 - the long-record prefill of our backbone as a share of this machine's measured matmul peak.
 
 Three questions per record (noul, choice, score) on a random Clef-shaped release (``benchmarks.shapes``).
-Needs the test extras (transformers, clef-finetune).
+The reference runs in this process with the heap thresholds our server sets (``--heap``,
+``benchmarks/heap.py``). Needs the test extras (transformers, clef-finetune).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import httpx
 import torch
 
 from benchmarks.flops import matmul_peak, prefill_flops
+from benchmarks.heap import add_heap_argument, prepare_heap
 from benchmarks.shapes import SHAPES, build_shape
 from benchmarks.workload import make_request
 from clefserve.config import DTYPES
@@ -210,8 +212,10 @@ def main(argv: list[str] | None = None) -> None:
                              "slows both sides alike); the figures add the rounds up")
     parser.add_argument("--server-args", default="--max-num-seqs 8 --prefill-chunk-size 1024",
                         help="extra clef-serve flags")
+    add_heap_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    heap = prepare_heap(args.heap)
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_shape(args.shape, Path(tmp) / "release")
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         mixed = [args.long if i % 2 else args.short for i in range(args.requests)]
         print(f"# shape {args.shape}, {args.threads} threads, server: {args.server_args}; mixed: "
               f"{args.requests} requests (~{args.short}/~{args.long} tokens); {args.repeat} round(s) each, "
-              f"reference and ours alternating")
+              f"reference and ours alternating; reference: {heap}")
         for name in args.dtypes:
             dtype = DTYPES[name]
             print(f"{name}:")
