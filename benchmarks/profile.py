@@ -241,9 +241,11 @@ def main(argv: list[str] | None = None) -> None:
           f"prefix cache {'off' if args.no_prefix_cache else 'on'}")
     print(f"wall {wall:.2f} s, {len(latencies) / wall:.2f} req/s, {tokens / wall:.0f} computed tok/s, "
           f"p50 {latencies[len(latencies) // 2]:.2f} s, steps {stats['steps'] - stats_before['steps']}")
-    print(f"{'engine thread':<28} {'seconds':>8} {'share':>7}")
+    print(f"{'engine thread':<28} {'seconds':>8} {'share':>7} {'calls':>7} {'ms/call':>8}")
     for part in ENGINE_PARTS:
-        print(f"  {part:<26} {seconds.get(part, 0.0):8.3f} {100 * seconds.get(part, 0.0) / wall:6.1f}%")
+        spent, calls = seconds.get(part, 0.0), timers.calls.get(part, 0)
+        per_call = f" {calls:7d} {1e3 * spent / calls:8.3f}" if calls else ""
+        print(f"  {part:<26} {spent:8.3f} {100 * spent / wall:6.1f}%{per_call}")
     print(f"{'request side (other threads)':<28}")
     for part, value in (("record encoding", seconds.get("record encoding", 0.0)),
                         ("HTTP + JSON (event loop CPU)", loop_cpu)):
