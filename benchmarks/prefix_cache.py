@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.shapes import add_tokenizer_argument
 from clefserve.config import EngineConfig
 from clefserve.engine.memory import MIB
 from clefserve.formats.clef import ClefDecider
@@ -92,11 +93,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefix-cache-mb", type=int, default=512)
+    add_tokenizer_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as folder:
-        build_release(folder, clef_shaped_spec(args.hidden, args.layers), seed=0)
+        build_release(folder, clef_shaped_spec(args.hidden, args.layers, tokenizer=args.tokenizer), seed=0)
         decider = ClefDecider(folder)
     rng = random.Random(0)
     states = [make_state(decider, args.state_tokens, rng) for _ in range(args.states)]
@@ -112,7 +114,8 @@ def main() -> None:
     ) + sum(len(r.input_ids) - r.state_end for r in records)
     print(f"{args.states} states x {args.sets} question sets = {len(requests)} requests, shuffled; "
           f"{tokens} record tokens (state ~{state_tokens:.0f}, whole record ~{tokens / len(records):.0f}); "
-          f"{args.concurrency} clients; hidden {args.hidden}, {args.layers} layers, {args.threads} thread(s)")
+          f"{args.concurrency} clients; hidden {args.hidden}, {args.layers} layers, "
+          f"tokenizer {args.tokenizer}, {args.threads} thread(s)")
 
     base = dict(max_num_seqs=8, prefill_chunk_size=1024, block_size=16, kv_cache_mb=1024, max_queue=4096,
                 raw_probabilities=True)

@@ -170,7 +170,7 @@ def run_client(url: str, requests: list[dict], concurrency: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.shapes import SHAPES, build_shape
+    from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
     from benchmarks.workload import make_request
     from clefserve.engine.openmp import release_thread_team
     from clefserve.formats.clef import ClefDecider
@@ -191,13 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-chunk-size", type=int, default=1024)
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--kernels", default="auto", choices=("auto", "fast", "reference"))
+    add_tokenizer_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     import random
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.w) if args.w else build_shape(args.shape, Path(tmp) / "release")
+        folder = Path(args.w) if args.w else build_shape(args.shape, Path(tmp) / "release",
+                                                                   tokenizer=args.tokenizer)
         decider = ClefDecider(folder, DTYPES[args.dtype], kernels=args.kernels)
         config = EngineConfig(dtype=args.dtype, port=free_port(), max_num_seqs=args.max_num_seqs,
                               prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=1024,
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds["idle + untimed"] = max(0.0, wall - busy)
     tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
     latencies = sorted(result["latencies"])
-    model = args.w or f"shape {args.shape}"
+    model = args.w or f"shape {args.shape}, tokenizer {args.tokenizer}"
     print(f"# {model}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
           f"{args.threads} threads, concurrency {args.concurrency}, "
           f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "

@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.flops import matmul_peak, prefill_flops
 from benchmarks.heap import add_heap_argument, prepare_heap
-from benchmarks.shapes import SHAPES, build_shape
+from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
 from benchmarks.workload import make_request
 from clefserve.config import DTYPES
 from clefserve.engine.openmp import release_thread_team
@@ -213,12 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-args", default="--max-num-seqs 8 --prefill-chunk-size 1024",
                         help="extra clef-serve flags")
     add_heap_argument(parser)
+    add_tokenizer_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     heap = prepare_heap(args.heap)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_shape(args.shape, Path(tmp) / "release")
+        folder = build_shape(args.shape, Path(tmp) / "release", tokenizer=args.tokenizer)
         encoder = ClefEncoder.from_folder(folder)
         rng = random.Random(0)
 
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
             return batch
 
         mixed = [args.long if i % 2 else args.short for i in range(args.requests)]
-        print(f"# shape {args.shape}, {args.threads} threads, server: {args.server_args}; mixed: "
+        print(f"# shape {args.shape}, tokenizer {args.tokenizer}, {args.threads} threads, server: "
+              f"{args.server_args}; mixed: "
               f"{args.requests} requests (~{args.short}/~{args.long} tokens); {args.repeat} round(s) each, "
               f"reference and ours alternating; reference: {heap}")
         for name in args.dtypes:
