@@ -18,6 +18,10 @@ the op timers and add reference compute to the profile); ``benchmarks.audit`` me
 Shares are of the measured wall time. The engine thread's parts add up to 100%; the request side runs on
 other threads, concurrently (on a 2-core machine it takes cores from the engine). Op timers synchronise
 CUDA when the model runs there, so a GPU profile shows where launches wait.
+
+``--ops N`` looks below the parts: ``torch.profiler`` records the engine thread's aten ops during the run
+and the N that took the most CPU time are printed with their input shapes (kineto may print an "External
+init callback" line when it starts on that thread; the recording works all the same).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +110,28 @@ def instrument(backend: Any, timers: Timers) -> None:
         setattr(engine.scheduler, name, timers.wrap("scheduler + bookkeeping",
                                                     getattr(engine.scheduler, name)))
     decider.encode = timers.wrap("record encoding", decider.encode)
+
+
+class EngineOps:
+    """``torch.profiler`` on the engine thread: the aten ops, with their input shapes, that take its time."""
+
+    def __init__(self, engine: Any) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.engine = engine
+        self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+    def __enter__(self) -> EngineOps:
+        self.engine.on_engine_thread(self.profiler.start)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.on_engine_thread(self.profiler.stop)
+
+    def table(self, rows: int) -> str:
+        averages = self.profiler.key_averages(group_by_input_shape=True)
+        return averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=44,
+                              max_shapes_column_width=90)
 
 
 def serve_in_thread(backend: Any, config: EngineConfig) -> tuple[Any, threading.Thread, dict]:
@@ -191,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-chunk-size", type=int, default=1024)
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--kernels", default="auto", choices=("auto", "fast", "reference"))
+    parser.add_argument("--ops", type=int, default=0, metavar="N",
+                        help="also print the N aten ops (by input shapes) that took the most of the engine "
+                             "thread's CPU time, from torch.profiler; its overhead then adds to the parts")
     add_tokenizer_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -220,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = loop_info["loop"]
         loop_before = loop_cpu_seconds(loop)
         stats_before = backend.engine.stats()
-        result = run_client(url, requests, args.concurrency)
+        with EngineOps(backend.engine) if args.ops else nullcontext() as ops:
+            result = run_client(url, requests, args.concurrency)
         loop_cpu = loop_cpu_seconds(loop) - loop_before
         stats = backend.engine.stats()
         server.should_exit = True
@@ -252,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     for part, value in (("record encoding", seconds.get("record encoding", 0.0)),
                         ("HTTP + JSON (event loop CPU)", loop_cpu)):
         print(f"  {part:<26} {value:8.3f} {100 * value / wall:6.1f}%")
+    if ops is not None:
+        print(f"engine thread, the {args.ops} costliest aten ops (self CPU time)")
+        print(ops.table(args.ops))
 
 
 if __name__ == "__main__":

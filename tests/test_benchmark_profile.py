@@ -1,13 +1,17 @@
 """benchmarks.profile's timers, on a fake clock: the wrapped delta rule keeps its snapshot-keeping entry point
 (so the profiled engine takes the path the server takes) and both entry points count under the same part;
-nested parts count only in the innermost one."""
+nested parts count only in the innermost one. ``--ops`` records the engine thread's ops, not the caller's."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import profile
-from benchmarks.profile import Timers
+from benchmarks.profile import EngineOps, Timers
+from clefserve.engine import Engine
+from clefserve.model.weights import load_backbone
+from tests.engine_support import ENGINE_SPECS, keep_hidden, small_config
 
 
 class FakeClock:
@@ -53,3 +57,14 @@ def test_nested_parts_count_only_in_the_innermost(clock):
     outer = timers.wrap("other layer work", lambda: (clock.spend(1.0), inner(), clock.spend(0.5)))
     outer()
     assert timers.seconds == {"attention": 3.0, "other layer work": 1.5}
+
+
+def test_engine_ops_records_the_engine_threads_ops_and_not_the_callers(make_release):
+    model = load_backbone(make_release(ENGINE_SPECS["default"], seed=5))
+    with Engine(model, small_config(), keep_hidden) as engine:
+        with EngineOps(engine) as ops:
+            engine.submit(torch.arange(40)).result()
+            torch.cumprod(torch.ones(7, 3), dim=0)  # on this thread: not the engine's
+        table = ops.table(200)
+    assert "aten::mm" in table or "aten::addmm" in table  # the step's projections
+    assert "aten::cumprod" not in table

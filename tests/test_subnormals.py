@@ -56,6 +56,6 @@ def test_the_flushing_thread_and_its_team_flush_and_other_threads_do_not() -> No
 def test_the_engine_thread_flushes_subnormals(make_release) -> None:
     model = load_backbone(make_release(ENGINE_SPECS["default"], seed=5))
     with Engine(model, small_config(), keep_hidden) as engine:
-        on_engine = engine._on_worker(lambda: (torch.tensor([SUBNORMAL]) * 1.0).item())
+        on_engine = engine.on_engine_thread(lambda: (torch.tensor([SUBNORMAL]) * 1.0).item())
     assert on_engine == 0.0
     assert (torch.tensor([SUBNORMAL]) * 1.0).item() > 0.0

@@ -294,6 +294,11 @@ class Engine:
                  (kv.resident_blocks * kv.block_bytes + self.pools.gdn_bytes) / MIB,
                  time.perf_counter() - started)
 
+    def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine's own thread, between steps, and return its result: for what works per
+        thread, such as a profiler that records the ops of the thread that started it."""
+        return self._on_worker(fn)
+
     def _on_worker(self, fn: Callable[[], Any]) -> Any:
         fut: Future = Future()
         with self._lock:
