@@ -11,6 +11,7 @@ import pytest
 from clefserve.config import EngineConfig
 from clefserve.errors import RequestError
 from clefserve.formats.clef import ClefDecider
+from clefserve.formats.clef.canary import using_reference_ops
 from clefserve.formats.clef.engine_backend import EngineBackend
 from clefserve.testing.release import ReleaseSpec
 from tests.request_gen import RequestGenerator
@@ -196,4 +197,18 @@ def test_threads_that_did_torch_work_let_their_openmp_team_go(decider, monkeypat
         assert released == [threading.get_ident()]
     finally:
         assert backend.engine is not None
+        backend.engine.shutdown()
+
+
+def test_status_names_the_serving_ops_while_the_audit_borrows_the_reference_ones(decider):
+    """The live audit and the self-check run the backbone on the reference ops for a while (in idle time, on
+    the engine thread); /v1/status reports what serves requests all the same."""
+    backend = EngineBackend(decider, _config(audit_fraction=1.0), "clef-test")
+    try:
+        serving = decider.backbone.ops.name
+        assert backend.status()["ops"] == serving
+        with using_reference_ops(decider.backbone):  # what an audit piece does
+            assert decider.backbone.ops.name != serving
+            assert backend.status()["ops"] == serving
+    finally:
         backend.engine.shutdown()

@@ -79,6 +79,7 @@ class EngineBackend:
         self._check_finished_at: dt.datetime | None = None
         self._check_problem: str | None = None
         self.audit: Auditor | None = None
+        self._serving_ops: str | None = None
         if decider is not None:
             self._attach(decider)
 
@@ -90,6 +91,9 @@ class EngineBackend:
     def _attach(self, decider: ClefDecider) -> None:
         self.engine = Engine(decider.backbone, self.config, self._finish, self._budget)
         self.decider = decider
+        # the serving ops, named now: the self-check and the live audit swap the reference ops onto the
+        # backbone for a while, and /v1/status must not report those
+        self._serving_ops = decider.backbone.ops.name
         c = self.config
         if c.audit_fraction > 0:
             self.audit = Auditor(decider, c.audit_fraction, c.prefill_chunk_size, c.audit_max_queue,
@@ -159,7 +163,7 @@ class EngineBackend:
         finished = self._check_finished_at
         return {
             "phase": phase,
-            "ops": self.decider.backbone.ops.name if self.decider is not None else None,
+            "ops": self._serving_ops,
             "self_check": {"result": self._check_result,
                            "finished_at": finished.isoformat(timespec="seconds") if finished else None,
                            "problem": self._check_problem},
