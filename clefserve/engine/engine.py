@@ -215,7 +215,7 @@ class Engine:
             with self._lock:
                 cache.clear()
 
-        self._on_worker(clear)
+        self.on_engine_thread(clear)
 
     def set_idle_work(self, work: IdleWork | None) -> None:
         """Run ``work`` on the worker thread while no sequence waits or runs, one piece per loop turn: the
@@ -236,7 +236,7 @@ class Engine:
             self.kv.fill_blocks(self.kv.allocator.free_ids(), value)
             self.states.fill_slots(self.states.allocator.free_ids(), value)
 
-        self._on_worker(poison)
+        self.on_engine_thread(poison)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the worker after its current step; unfinished futures fail with EngineClosedError."""
@@ -295,11 +295,10 @@ class Engine:
                  time.perf_counter() - started)
 
     def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine's own thread, between steps, and return its result: for what works per
-        thread, such as a profiler that records the ops of the thread that started it."""
-        return self._on_worker(fn)
-
-    def _on_worker(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine's own thread, between steps, and return its result (right where it is
+        called when that is the engine's thread or the engine is closed): for what must not race a step,
+        and for what works per thread, such as a profiler that records the ops of the thread that started
+        it."""
         fut: Future = Future()
         with self._lock:
             if self._closed or threading.current_thread() is self._thread or not self._thread.is_alive():
