@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 from tokenizers import Tokenizer
@@ -221,3 +223,36 @@ def test_encoding_starts_no_threads(tokenizer_folders) -> None:
     as building the test releases here trained tokenizers on that pool)."""
     report = run_reporting_json(ENCODE_SCRIPT, str(tokenizer_folders[0]))
     assert report["after"] == report["before"]
+
+
+def test_tokenizing_a_record_lets_other_threads_run(tokenizer_folders) -> None:
+    """While one request's record is tokenized, the server's other threads (the event loop, the engine's) go
+    on: the tokenizer lets go of the GIL. Tokenizing with ``Tokenizer.encode`` held it for the whole call
+    (half a second for a 1 MiB state), so a thread spinning beside it stalled for about that long."""
+    encoder = ClefEncoder.from_folder(tokenizer_folders[2])  # Qwen3.5's tokenizer: ~0.5 ms per KiB of text
+    words = RequestGenerator(seed=4).rng.choices(["refund", "order", "late", "déjà", "42", "ok?"], k=60_000)
+    request = {"model": "m", "state": " ".join(words), "questions": {"q": {"type": "noul"}}}
+    stop, longest_stall = threading.Event(), []
+
+    def spin() -> None:
+        last = time.perf_counter()
+        longest = 0.0
+        while not stop.is_set():
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+        longest_stall.append(longest)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.02)
+        started = time.perf_counter()
+        record = encoder.encode(request)
+        took = time.perf_counter() - started
+    finally:
+        stop.set()
+        spinner.join()
+    assert record.state_end - record.prefix_end > 1000  # the state was tokenized (and cut to fit)
+    # a ratio within one run, not a timing threshold: held, the stall is the whole call (~100%); released,
+    # a few switch intervals of 5 ms
+    assert longest_stall[0] < 0.5 * took, (longest_stall[0], took)

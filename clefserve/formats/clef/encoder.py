@@ -7,6 +7,7 @@ and the id lists are concatenated: PREFIX, STATE (cut to fit), SCHEMA, SUFFIX.
 from __future__ import annotations
 
 import json
+import os
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ DEFAULT_MAX_LENGTH = 16384
 # model was trained on); "opaque" writes a positional name instead (q1, q2, ...), so that ids never reach
 # the model, as TypeSafe's contract says.
 QUESTION_ID_MODES = ("prompt", "opaque")
+# tokenizers runs encode_batch on a rayon pool of a thread per core unless this says otherwise (read at every
+# call); the encoder sets it to false where the environment does not set it.
+TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 # "OPTION {j}: " ids are cached for the first labels only, so the cache stays bounded.
 _OPTION_LABEL_CACHE = 256
 
@@ -101,6 +105,7 @@ class ClefEncoder:
         if question_ids not in QUESTION_ID_MODES:
             raise ValueError(f"question_ids must be one of {QUESTION_ID_MODES}, not {question_ids!r}")
         self.question_ids = question_ids
+        os.environ.setdefault(TOKENIZERS_PARALLELISM, "false")  # see _tokenize
         # A private copy: we switch off truncation/padding (as transformers does per call)
         # without touching the caller's tokenizer.
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
@@ -163,11 +168,16 @@ class ClefEncoder:
         return self._option_labels[number]
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        """One ``encode`` a text, not ``encode_batch``: the batch call hands the texts to a rayon pool of a
-        thread per core, two more threads contending for the engine's cores while they spin after the work,
-        for no gain (a record's time is its state, one text: 3.6-3.7 ms for 3,000 tokens either way)."""
+        """A record's texts in one ``encode_batch`` call, which lets go of the GIL while it works. ``encode``
+        holds it for the whole call, and with it every other thread of the server: the event loop (probes,
+        other requests) and the engine's, which dispatches its ops from Python. For Qwen3.5's tokenizer that
+        is ~7 ms for a 3,000-token state and over half a second for a 1 MiB one.
+
+        With ``TOKENIZERS_PARALLELISM`` false (set at construction where the environment leaves it unset)
+        the batch runs on the calling thread. Otherwise it would go to a rayon pool of a thread per core,
+        whose threads spin after the work on the engine's cores."""
         try:
-            return [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+            return [encoding.ids for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
         except TypeError:
             # tokenizers refuses str objects that are not valid Unicode (lone surrogates from JSON "\ud800").
             for text in texts:
