@@ -82,6 +82,21 @@ def release_folder(config: EngineConfig, parser: argparse.ArgumentParser) -> tup
     return folder, config.served_model_name or folder.resolve().name
 
 
+def command_setup(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[EngineConfig, Path, str, Any]:
+    """What a command that loads a release does first: its config, the folder and the name to serve, the
+    torch device, and the refusals that come before anything loads (a bad ``--d``, :func:`preflight`)."""
+    config = EngineConfig.from_args(args)
+    folder, name = release_folder(config, parser)
+    try:
+        device = config.torch_device
+    except ValueError:
+        parser.error(f"--d {config.device!r}: expected 'cpu' or a GPU index such as 0")
+    preflight(config, parser)
+    return config, folder, name, device
+
+
 def preflight(config: EngineConfig, parser: argparse.ArgumentParser) -> None:
     """Refuse at once, before anything loads, what this device cannot do: ``--dtype bf16`` on a GPU without
     bf16 (a V100), ``--kernels fast`` on a CPU without Triton's interpreter and fla."""
@@ -129,11 +144,9 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     """Exit 0 when the serving path agrees with the reference path (and with transformers when installed)."""
     from clefserve.formats.clef.engine_backend import EngineBackend
 
-    config = EngineConfig.from_args(args)
-    folder, name = release_folder(config, parser)
-    preflight(config, parser)
+    config, folder, name, device = command_setup(args, parser)
     configure_logging(config.log_level)
-    decider = serving_decider(folder, config, config.torch_device)
+    decider = serving_decider(folder, config, device)
     backend = EngineBackend(decider, config, name)
     try:
         problems = backend.run_self_check()
@@ -203,13 +216,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from clefserve.formats.clef.engine_backend import EngineBackend
     from clefserve.server import create_app
 
-    config = EngineConfig.from_args(args)
-    folder, name = release_folder(config, parser)
-    try:
-        device = config.torch_device
-    except ValueError:
-        parser.error(f"--d {config.device!r}: expected 'cpu' or a GPU index such as 0")
-    preflight(config, parser)
+    config, folder, name, device = command_setup(args, parser)
     configure_logging(config.log_level)
     if config.weights is None:
         log.warning("no --w given: serving the embedded demo model %s, a tiny support-ticket triage model "

@@ -46,6 +46,8 @@ def test_serve_is_the_default_command(argv: list[str], expected: list[str]) -> N
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--w", "/no/such/folder"], "not a directory"),
     (["--w", ".", "--d", "gpu"], "expected 'cpu' or a GPU index"),
+    (["verify", "--w", ".", "--d", "gpu"], "expected 'cpu' or a GPU index"),
+    (["batch", "in.jsonl", "-o", "out.jsonl", "--w", ".", "--d", "gpu"], "expected 'cpu' or a GPU index"),
     (["--w", ".", "--dtype", "f64"], "invalid choice"),
 ])
 def test_argument_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

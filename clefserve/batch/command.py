@@ -110,18 +110,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from clefserve.batch.output import OutputError, open_output
     from clefserve.batch.progress import Progress
     from clefserve.batch.sources import InputError, format_of, load_questions, open_source
-    from clefserve.cli import configure_logging, preflight, release_folder, serving_decider
-    from clefserve.config import EngineConfig
+    from clefserve.cli import command_setup, configure_logging, serving_decider
     from clefserve.errors import RequestError
     from clefserve.formats.clef.engine_backend import EngineBackend
 
-    config = EngineConfig.from_args(args)
-    folder, name = release_folder(config, parser)
-    try:
-        device = config.torch_device
-    except ValueError:
-        parser.error(f"--d {config.device!r}: expected 'cpu' or a GPU index such as 0")
-    preflight(config, parser)
+    config, folder, name, device = command_setup(args, parser)
     if args.lookahead < 1 or args.fsync_interval_s < 0:
         parser.error("--lookahead must be at least 1 and --fsync-interval-s at least 0")
     if args.input.exists() and args.output.exists() and args.input.samefile(args.output):
