@@ -50,10 +50,12 @@ def wait_in_engine(url: str, count: int, futures: list[Future], timeout_s: float
 
 
 def refused(port: int) -> bool:
+    """Whether the port no longer takes connections. A connect racing the listening socket's close is reset
+    rather than refused (the kernel had queued it on the socket being closed): that too is a refusal."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return False
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
         return True
 
 
