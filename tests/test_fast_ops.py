@@ -42,6 +42,11 @@ def test_unit_lower_solve_matches_a_dense_float64_solve_on_both_sides_of_the_thr
     got = solve_unit_lower(strict, rhs)
     assert got.dtype == torch.float32
     assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+    scratch = rhs.clone()
+    with torch.inference_mode():
+        assert torch.equal(solve_unit_lower(strict, scratch, overwrite=True), got)
+    if systems <= SOLVE_MAX_SYSTEMS:  # LAPACK's solve wrote its result into the scratch right-hand sides
+        assert torch.equal(scratch, got)
 
 
 @pytest.mark.parametrize(("heads", "v_heads"), [(2, 2), (2, 4), (1, 3)])

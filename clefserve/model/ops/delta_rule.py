@@ -144,7 +144,7 @@ def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
     return inverse.reshape(*batch, size, size)
 
 
-def solve_unit_lower(strict: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+def solve_unit_lower(strict: torch.Tensor, rhs: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     """``x`` with ``(I + strict) x = rhs`` for strictly lower triangular ``strict [..., C, C]``: LAPACK's
     triangular solve (which reads only below the diagonal) for up to ``SOLVE_MAX_SYSTEMS`` systems, the
     batched-matmul inverse for more.
@@ -152,9 +152,14 @@ def solve_unit_lower(strict: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     The solve is posed transposed, ``x^T (I + strict)^T = rhs^T``: for the row-major ``rhs`` every caller
     builds, LAPACK (which works on column-major matrices) then reads ``rhs^T`` and ``strict^T`` as they lie,
     and the result comes back row-major. Posed as ``(I + strict) x = rhs``, torch first copies ``rhs`` into
-    a column-major buffer, a transposing copy that took a third of the solve's time."""
+    a column-major buffer, a transposing copy that took a third of the solve's time. ``overwrite``: ``rhs``
+    is the caller's scratch, which the solve may write its result into (without autograd); the bits are
+    the same either way."""
     if strict.numel() // (strict.shape[-1] * strict.shape[-2]) <= SOLVE_MAX_SYSTEMS:
-        return torch.linalg.solve_triangular(strict.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
+        rhs_t = rhs.mT
+        into = rhs_t if overwrite and not torch.is_grad_enabled() else None
+        return torch.linalg.solve_triangular(strict.mT, rhs_t, upper=True, left=False, unitriangular=True,
+                                             out=into).mT
     return unit_lower_inverse(strict) @ rhs
 
 
@@ -243,7 +248,7 @@ def _chunked(
                   out=rhs[:, front : front + steps, :value_dim])
         rhs = rhs.view(*grouped, n, chunk, value_dim + key_dim)
         torch.mul(kc.unsqueeze(1), k_weight, out=rhs[..., value_dim:])
-    solved = solve_unit_lower(system, rhs.flatten(0, 1))
+    solved = solve_unit_lower(system, rhs.flatten(0, 1), overwrite=True)
     values, key_decay = solved[..., :value_dim], solved[..., value_dim:]
 
     q_decayed = (qc.unsqueeze(1) * gexp.view(*grouped, n, chunk, 1)).flatten(0, 1)

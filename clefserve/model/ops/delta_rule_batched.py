@@ -108,7 +108,8 @@ def chunk_gated_delta_rule_batched(
     k_beta = kc * bc
     system = ((k_beta @ kc.transpose(-1, -2)) * pair_decay).tril(-1)
     gexp = decay_factors(gc)
-    solved = solve_unit_lower(system, torch.cat((vc * bc, k_beta * gexp[..., None]), dim=-1))
+    rhs = torch.cat((vc * bc, k_beta * gexp[..., None]), dim=-1)
+    solved = solve_unit_lower(system, rhs, overwrite=True)
     values, key_decay = solved[..., :value_dim], solved[..., value_dim:]
     intra = (qc @ kc.transpose(-1, -2)) * pair_decay
     q_decayed = qc * gexp[..., None]
