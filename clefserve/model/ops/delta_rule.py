@@ -244,7 +244,7 @@ def _chunked(
         rhs = torch.empty(heads, n * chunk, value_dim + key_dim, device=q.device)
         rhs[:, :front, :value_dim] = 0
         rhs[:, front + steps :, :value_dim] = 0
-        torch.mul(v.float().transpose(0, 1), beta.float().t()[..., None],
+        torch.mul(v.transpose(0, 1), beta.float().t()[..., None],  # a low-precision v widens exactly
                   out=rhs[:, front : front + steps, :value_dim])
         rhs = rhs.view(*grouped, n, chunk, value_dim + key_dim)
         torch.mul(kc.unsqueeze(1), k_weight, out=rhs[..., value_dim:])
@@ -286,8 +286,12 @@ def _chunked(
                 kept = state_inside(i, s, v_new)
             torch.bmm(intra[:, i], v_new, out=out[i]).baddbmm_(q_decayed[:, i], s)
             s.mul_(chunk_decay[:, i]).baddbmm_(k_to_end[:, i], v_new)
-    out = out.transpose(1, 2).reshape(n * chunk, heads, value_dim)[front : front + steps]
-    return out.to(out_dtype), s, kept
+    if torch.is_grad_enabled():
+        out = out.transpose(1, 2).reshape(n * chunk, heads, value_dim)[front : front + steps]
+        return out.to(out_dtype), s, kept
+    rows = out.new_empty(n * chunk, heads, value_dim, dtype=out_dtype)  # token-major and rounded in one copy
+    rows.view(n, chunk, heads, value_dim).copy_(out.transpose(1, 2))
+    return rows[front : front + steps], s, kept
 
 
 def _state_inside_chunk(
