@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from clefserve.model.ops.attention import causal_attention, causal_attention_split_cpu
-from clefserve.model.ops.delta_rule import SOLVE_MAX_SYSTEMS, gated_delta_rule_varlen, solve_unit_lower
+from clefserve.model.ops.delta_rule import (
+    SOLVE_MAX_SYSTEMS,
+    gated_delta_rule_varlen,
+    solve_unit_lower,
+    unit_lower_inverse,
+)
 from clefserve.model.ops.delta_rule_batched import chunk_gated_delta_rule_batched, gated_delta_rule_cpu
 from clefserve.model.ops.select import select_ops
 
@@ -32,21 +37,22 @@ def _delta_batch(rng: random.Random, heads: int, v_heads: int, dim: int, dtype: 
 
 
 @pytest.mark.parametrize("systems", [1, SOLVE_MAX_SYSTEMS, SOLVE_MAX_SYSTEMS + 1, 3 * SOLVE_MAX_SYSTEMS])
-def test_unit_lower_solve_matches_a_dense_float64_solve_on_both_sides_of_the_threshold(systems):
-    """Both paths (LAPACK's triangular solve for few systems, the blockwise inverse for many) solve
-    (I + L) x = b."""
+def test_unit_lower_solve_matches_a_dense_float64_solve(systems):
+    """Both ways of solving (I + L) x = b, LAPACK's triangular solve (every CPU call; few systems
+    elsewhere) and the blockwise inverse (many systems off the CPU), agree with a dense solve; the solve
+    gives the same bits when it may write into its right-hand sides."""
     gen = torch.Generator().manual_seed(systems)
     strict = (torch.randn(systems, 64, 64, generator=gen) * 0.2).tril(-1)
     rhs = torch.randn(systems, 64, 40, generator=gen)
     want = torch.linalg.solve(strict.double() + torch.eye(64, dtype=torch.float64), rhs.double())
+    for got in (solve_unit_lower(strict, rhs), unit_lower_inverse(strict) @ rhs):
+        assert got.dtype == torch.float32
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
     got = solve_unit_lower(strict, rhs)
-    assert got.dtype == torch.float32
-    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
     scratch = rhs.clone()
     with torch.inference_mode():
         assert torch.equal(solve_unit_lower(strict, scratch, overwrite=True), got)
-    if systems <= SOLVE_MAX_SYSTEMS:  # LAPACK's solve wrote its result into the scratch right-hand sides
-        assert torch.equal(scratch, got)
+    assert torch.equal(scratch, got)  # the solve wrote its result into the scratch right-hand sides
 
 
 @pytest.mark.parametrize(("heads", "v_heads"), [(2, 2), (2, 4), (1, 3)])

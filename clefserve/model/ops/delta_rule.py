@@ -21,11 +21,11 @@ import torch.nn.functional as F
 CHUNK = 64
 BLOCK = 16  # diagonal block size of the triangular inverse
 RECURRENT_MAX = 4  # pieces of up to this many tokens take the recurrent form
-# Up to this many chunk systems (value heads x chunks) a piece's triangular systems go to LAPACK's
-# triangular solve; above it, to the batched-matmul inverse. Per system the solve costs a fixed few tens
-# of microseconds and the inverse's ~35 ops cost the same for one system as for hundreds. On a 2-core
-# Xeon (AMX, fp32, 2 threads; min of 9 x 20-30 calls, 64 x 64 systems, 256 right-hand columns), solve /
-# inverse + matmul: 2-16 systems 0.32-0.52x, 32 0.67x, 64 0.79-0.86x, 96 1.3x, 256 1.26x.
+# On a CPU a piece's triangular systems always go to LAPACK's triangular solve. Against the batched-matmul
+# inverse + matmul on a 2-core AMX Xeon (fp32, 2 threads, 64 x 64 systems, 256 right-hand columns, min of
+# 12 calls), solve / inverse: 16 systems 0.37, 64 0.53, 256 0.71, 1,024 0.45, 2,048 0.39. (Before the solve
+# was posed transposed, its copy of the right-hand sides made it lose from ~96 systems on.) On other devices
+# (the torch fallback on a GPU without fla) up to this many systems are solved and more are inverted.
 SOLVE_MAX_SYSTEMS = 64
 # Decay factors below FLUSH_BELOW are set to 0. torch's CPU exp computes an element whose result leaves the
 # normal floats (below ~1.2e-38) one at a time, 60-170x slower than the rest, and the strong decays of
@@ -145,9 +145,9 @@ def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
 
 
 def solve_unit_lower(strict: torch.Tensor, rhs: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
-    """``x`` with ``(I + strict) x = rhs`` for strictly lower triangular ``strict [..., C, C]``: LAPACK's
-    triangular solve (which reads only below the diagonal) for up to ``SOLVE_MAX_SYSTEMS`` systems, the
-    batched-matmul inverse for more.
+    """``x`` with ``(I + strict) x = rhs`` for strictly lower triangular ``strict [..., C, C]``: the
+    triangular solve (which reads only below the diagonal) on a CPU, and elsewhere for up to
+    ``SOLVE_MAX_SYSTEMS`` systems; the batched-matmul inverse for more.
 
     The solve is posed transposed, ``x^T (I + strict)^T = rhs^T``: for the row-major ``rhs`` every caller
     builds, LAPACK (which works on column-major matrices) then reads ``rhs^T`` and ``strict^T`` as they lie,
@@ -155,7 +155,8 @@ def solve_unit_lower(strict: torch.Tensor, rhs: torch.Tensor, overwrite: bool = 
     a column-major buffer, a transposing copy that took a third of the solve's time. ``overwrite``: ``rhs``
     is the caller's scratch, which the solve may write its result into (without autograd); the bits are
     the same either way."""
-    if strict.numel() // (strict.shape[-1] * strict.shape[-2]) <= SOLVE_MAX_SYSTEMS:
+    systems = strict.numel() // (strict.shape[-1] * strict.shape[-2])
+    if strict.device.type == "cpu" or systems <= SOLVE_MAX_SYSTEMS:
         rhs_t = rhs.mT
         into = rhs_t if overwrite and not torch.is_grad_enabled() else None
         return torch.linalg.solve_triangular(strict.mT, rhs_t, upper=True, left=False, unitriangular=True,
