@@ -51,6 +51,12 @@ class Batch:
         )
 
 
+def _step_rows(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The per-sequence results of a step's sequences as the step's rows: a lone sequence's as it is (no
+    copy), several joined."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 class Embedding(nn.Embedding):
     """Skips its random init on the meta device (how loaders build a model before assigning weights):
     ``normal_`` there imports torch._dynamo, over a second of every start."""
@@ -140,15 +146,11 @@ class GatedAttention(nn.Module):
         value = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
         cos, sin = rope
         query, key = self.ops.apply_rope(query, cos, sin), self.ops.apply_rope(key, cos, sin)
-        spans = batch.spans()
-        out = torch.empty_like(query) if len(spans) > 1 else None  # one sequence: its output is the step's
-        for seq, start, end in spans:
+        pieces = []
+        for seq, start, end in batch.spans():
             all_k, all_v = cache.attention_kv(self.layer, seq, key[start:end], value[start:end])
-            piece = self.ops.causal_attention(query[start:end], all_k, all_v, batch.past_lens[seq])
-            if out is None:
-                out = piece
-            else:
-                out[start:end] = piece
+            pieces.append(self.ops.causal_attention(query[start:end], all_k, all_v, batch.past_lens[seq]))
+        out = _step_rows(pieces)
         gate = torch.sigmoid(gate.reshape(rows, -1))
         out = out.reshape(rows, -1) * gate if torch.is_grad_enabled() else out.reshape(rows, -1).mul_(gate)
         return self.o_proj(out)
@@ -231,17 +233,13 @@ class GatedDeltaNet(nn.Module):
         fresh = x.new_zeros(self.v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
         recurrent = torch.stack([fresh if new or r is None else r
                                  for new, r in zip(starts, recurrent_states, strict=True)])
-        spans = batch.spans()
-        qkv = torch.empty_like(mixed) if len(spans) > 1 else None  # one sequence: its conv is the step's
-        new_conv_states = []
-        for seq, start, end in spans:
+        pieces, new_conv_states = [], []
+        for seq, start, end in batch.spans():
             carried = None if starts[seq] else conv_states[seq]
             piece, state = self.ops.causal_conv1d(mixed[start:end], weight, carried)
-            if qkv is None:
-                qkv = piece
-            else:
-                qkv[start:end] = piece
+            pieces.append(piece)
             new_conv_states.append(state)
+        qkv = _step_rows(pieces)
         q, k, v = torch.split(qkv, [self.key_width, self.key_width, self.value_width], dim=-1)
         inputs = (q.reshape(rows, self.k_heads, self.k_dim), k.reshape(rows, self.k_heads, self.k_dim),
                   v.reshape(rows, self.v_heads, self.v_dim), g, beta)

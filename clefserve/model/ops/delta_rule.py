@@ -287,9 +287,6 @@ def _chunked(
                 kept = state_inside(i, s, v_new)
             torch.bmm(intra[:, i], v_new, out=out[i]).baddbmm_(q_decayed[:, i], s)
             s.mul_(chunk_decay[:, i]).baddbmm_(k_to_end[:, i], v_new)
-    if torch.is_grad_enabled():
-        out = out.transpose(1, 2).reshape(n * chunk, heads, value_dim)[front : front + steps]
-        return out.to(out_dtype), s, kept
     rows = out.new_empty(n * chunk, heads, value_dim, dtype=out_dtype)  # token-major and rounded in one copy
     rows.view(n, chunk, heads, value_dim).copy_(out.transpose(1, 2))
     return rows[front : front + steps], s, kept
