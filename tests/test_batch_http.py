@@ -247,12 +247,17 @@ def test_ray_actors_answer_like_batch(release, workload, uninterrupted) -> None:
     subset.write_bytes(b"".join(line + b"\n" for line in work.lines[:RAY_RECORDS]))
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    # Ray Data starts the pool's actors asynchronously: an actor that builds its engine first can take every
+    # block before the other is up (CI saw it once). Waiting for both gives each a share of the blocks.
+    context = ray.data.DataContext.get_current()
+    context.wait_for_min_actors_s, default_wait = 300, context.wait_for_min_actors_s
     try:
         rows = decide(ray.data.read_text(str(subset)), actors=2, batch_size=10, decisions_class=PidDecisions,
                       weights=str(release), dtype="f32", max_num_seqs=16, prefill_chunk_size=1024,
                       kv_cache_mb=48, max_length=1024, max_body_bytes=MAX_BODY_BYTES,
                       raw_probabilities=True).take_all()
     finally:
+        context.wait_for_min_actors_s = default_wait
         ray.shutdown()
     assert len(rows) == RAY_RECORDS
     assert len({row["pid"] for row in rows}) == 2  # both actors answered
