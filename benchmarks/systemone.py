@@ -13,7 +13,8 @@ For each dtype it prints:
   reference one at a time vs ours at each ``--concurrency``, and the p95 latency of the short records in
   the mixed run against their p95 alone, split into the opening burst and the records sent later, and the
   floor of that burst (as many short records sent together with nothing else);
-- the long-record prefill of our backbone as a share of this machine's measured matmul peak.
+- the long-record prefill of our backbone as a share of this machine's measured matmul peak, in the
+  arithmetic this CPU computes the dtype's projections in (fp32 for bf16 on a CPU without bf16 instructions).
 
 Three questions per record (noul, choice, score) on a random Clef-shaped release (``benchmarks.shapes``).
 The reference runs in this process with the heap thresholds our server sets (``--heap``,
@@ -42,6 +43,7 @@ from clefserve.config import DTYPES
 from clefserve.engine.openmp import release_thread_team
 from clefserve.engine.subnormals import flush_subnormals_here
 from clefserve.formats.clef.encoder import ClefEncoder
+from clefserve.model.ops import gemm
 from clefserve.model.ops.select import select_ops
 from clefserve.model.weights import load_backbone
 from clefserve.testing.server_process import ServerProcess
@@ -157,9 +159,12 @@ def run_server(url: str, requests: list[dict], concurrency: int) -> Run:
     return Run(wall, [r[0] for r in results], [r[1] for r in results])
 
 
-def long_prefill_utilisation(folder: Path, dtype: torch.dtype, tokens: int) -> tuple[float, float]:
-    """Our backbone (serving ops) on one ``tokens``-long record in engine-sized pieces: FLOP/s and share of
-    the matmul peak. Timed on a thread of its own that flushes subnormals, as the engine's does."""
+def long_prefill_utilisation(
+        folder: Path, dtype: torch.dtype, tokens: int) -> tuple[float, float, torch.dtype]:
+    """Our backbone (serving ops) on one ``tokens``-long record in engine-sized pieces: FLOP/s, share of the
+    matmul peak, and the dtype of that peak: the one this CPU computes ``dtype``'s projections in
+    (:func:`clefserve.model.ops.gemm.compute_dtype`). Timed on a thread of its own that flushes subnormals,
+    as the engine's does."""
     model = load_backbone(folder, dtype=dtype)
     model.set_ops(select_ops(model.device, dtype))
     ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
@@ -182,9 +187,9 @@ def long_prefill_utilisation(folder: Path, dtype: torch.dtype, tokens: int) -> t
     with ThreadPoolExecutor(1) as thread:
         best = thread.submit(best_of_three).result()
     achieved = prefill_flops(model.config, tokens) / best
-    # a CPU without native bf16/f16 GEMMs runs them at a few GFLOP/s: smaller sizes find that peak as well
-    sizes = (1024, 2048, 3072) if dtype == torch.float32 else (1024, 2048)
-    return achieved, achieved / matmul_peak(dtype, sizes)
+    arithmetic = gemm.compute_dtype(model.device, dtype)
+    sizes = (1024, 2048, 3072) if arithmetic == torch.float32 else (1024, 2048)
+    return achieved, achieved / matmul_peak(arithmetic, sizes), arithmetic
 
 
 def _timed(fn) -> float:
@@ -269,10 +274,12 @@ def main(argv: list[str] | None = None) -> None:
                             [runs[i] for _, runs in rounds], alone_short, concurrency,
                             lambda k: run_server(server.url, fresh([args.short] * k), k), args.repeat)
             del reference
-            achieved, share = long_prefill_utilisation(folder, dtype, args.long)
+            achieved, share, arithmetic = long_prefill_utilisation(folder, dtype, args.long)
+            peak_name = next(key for key, value in DTYPES.items() if value == arithmetic)
+            computed_in = "" if arithmetic == dtype else f", what this CPU runs {name} projections in"
             print(f"  long-record prefill ({args.long} tokens): {achieved / 1e9:.1f} GFLOP/s = "
-                  f"{100 * share:.0f}% of the measured {name} matmul peak "
-                  f"({achieved / share / 1e9:.1f} GFLOP/s)")
+                  f"{100 * share:.0f}% of the measured {peak_name} matmul peak "
+                  f"({achieved / share / 1e9:.1f} GFLOP/s{computed_in})")
 
 
 if __name__ == "__main__":

@@ -168,3 +168,31 @@ def test_projection_rows_do_not_depend_on_the_call_and_round_like_the_dtype(dtyp
     exact = x.double() @ weight.double().t()
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((whole.double() - exact).abs() / (exact.abs() + 1)).max().item() <= tolerance
+
+
+@pytest.mark.parametrize(("flags", "onednn", "native"), [
+    ("fpu avx2 avx512f avx512bw avx512_vnni", True, False),  # Ice Lake: oneDNN emulates bf16
+    ("fpu avx2 avx512f avx512_bf16", True, True),  # Cooper Lake, Zen 4
+    ("fpu avx512f amx_bf16 amx_tile", True, True),  # Sapphire Rapids
+    ("fpu avx2 fma", False, False),  # AVX2: no oneDNN bf16 at all
+    (None, True, True),  # flags unreadable (not x86 Linux): oneDNN's word
+])
+def test_low_precision_projections_run_natively_only_on_cpus_with_instructions_for_them(
+        monkeypatch, tmp_path, flags, onednn, native):
+    from clefserve.model.ops import gemm
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n" if flags else "processor\t: 0\n")
+    monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
+    read = gemm.x86_cpu_flags(cpuinfo)
+    assert read == (frozenset(flags.split()) if flags else None)
+    monkeypatch.setattr(gemm, "x86_cpu_flags", lambda: read)
+    monkeypatch.setattr(gemm, "onednn_supports", lambda dtype: onednn)
+    gemm.native_low_precision.cache_clear()
+    try:
+        assert gemm.native_low_precision(torch.bfloat16) is native
+        assert gemm.compute_dtype(torch.device("cpu"), torch.bfloat16) == (
+            torch.bfloat16 if native else torch.float32)
+        assert gemm.compute_dtype(torch.device("cpu"), torch.float32) == torch.float32
+    finally:
+        gemm.native_low_precision.cache_clear()

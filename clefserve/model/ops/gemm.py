@@ -5,31 +5,60 @@ Two CPU facts shape this:
 - GEMM libraries switch kernels for very small row counts, which changes the rounding of a row depending on
   what it was batched with. Calls with fewer than ``MIN_ROWS`` rows are padded to ``MIN_ROWS``, so a row's
   result is identical across chunkings and batch compositions (the engine's batch invariance rests on it).
-- bf16/f16 GEMMs are fast only where oneDNN has kernels for them (AVX-512 or AMX CPUs); elsewhere (AVX2)
-  torch falls back to a scalar loop that is 5-30x slower than fp32. There the weights stay in low precision
-  (memory) and each projection runs in fp32 arithmetic on upcast copies, its result rounded back to the
-  model dtype: the numerics of a low-precision GEMM with fp32 accumulation, at fp32 speed.
+- bf16/f16 GEMMs are fast only on CPUs with instructions for them (AVX512_BF16 or AMX for bf16,
+  AVX512_FP16 or AMX-FP16 for f16). Elsewhere oneDNN emulates them (an AVX-512 Ice Lake: bf16 4.5x slower
+  than fp32) or torch falls back to a scalar loop (AVX2: 5-30x slower). There the weights stay in low
+  precision (memory) and each projection runs in fp32 arithmetic on upcast copies, its result rounded back
+  to the model dtype: the numerics of a low-precision GEMM with fp32 accumulation, at fp32 speed.
 """
 
 from __future__ import annotations
 
 import functools
+import platform
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 MIN_ROWS = 16
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# x86 instructions that make a low-precision GEMM faster than fp32 (the names of /proc/cpuinfo's flags)
+X86_NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def x86_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The CPU's feature flags on x86 Linux; None where they cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return None
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN runs ``dtype`` (bf16 or f16) GEMMs on this CPU at all."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 @functools.cache
 def native_low_precision(dtype: torch.dtype) -> bool:
-    """Whether this CPU has fast GEMM kernels for ``dtype`` (bf16 or f16)."""
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return True
+    """Whether this CPU has fast GEMM kernels for ``dtype``: oneDNN must support it and, on x86, the CPU
+    must have instructions for it (oneDNN also "supports" bf16 on any AVX-512 CPU, by emulation)."""
+    if dtype not in LOW_PRECISION:
+        return True
+    if not onednn_supports(dtype):
+        return False
+    flags = x86_cpu_flags()
+    return flags is None or any(flag in flags for flag in X86_NATIVE_FLAGS[dtype])
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
