@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from clefserve.config import EngineConfig
 from clefserve.errors import StartupError
 from clefserve.model.config import BackboneConfig
+from clefserve.model.device import available_memory
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +50,6 @@ def gdn_bytes_per_slot(model: BackboneConfig, dtype: torch.dtype) -> int:
     conv = model.conv_dim * (model.linear_conv_kernel_dim - 1) * element_size(dtype)
     recurrent = model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * 4
     return len(model.linear_layers) * (conv + recurrent)
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes still free for pools on ``device``: free CUDA memory, or MemAvailable on a CPU host."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot tell the free memory (no MemAvailable in /proc/meminfo); use --kv-cache-mb")
 
 
 @dataclass(frozen=True)

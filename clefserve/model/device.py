@@ -7,6 +7,7 @@ memory planner take a :class:`DeviceFacts`, so tests can hand them any device (a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,19 @@ def device_facts(device: torch.device) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
     return DeviceFacts(type="cuda", name=props.name, capability=(props.major, props.minor),
                        total_bytes=int(props.total_memory))
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes still free on ``device``: free CUDA memory, or MemAvailable on a CPU host."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot tell the free memory (no MemAvailable in /proc/meminfo); use --kv-cache-mb")
 
 
 def check_dtype(facts: DeviceFacts, dtype: torch.dtype) -> None:

@@ -20,7 +20,9 @@ from safetensors import safe_open
 from clefserve.errors import ReleaseError, StartupError
 from clefserve.model.backbone import Backbone
 from clefserve.model.config import BackboneConfig
-from clefserve.model.ops import Ops
+from clefserve.model.device import available_memory
+from clefserve.model.layers import Linear
+from clefserve.model.ops import Ops, gemm
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +139,18 @@ def load_backbone(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     ops: Ops | None = None,
+    widen: bool | None = None,
 ) -> Backbone:
+    """The backbone of a release folder in ``dtype`` on ``device``. ``widen``: hold the layers' projection
+    weights in fp32 when they fit (None: where this machine computes ``dtype`` projections in fp32, see
+    :mod:`clefserve.model.ops.gemm`)."""
     folder = Path(folder)
     device = torch.device(device)
     config = BackboneConfig.from_folder(folder)
     expected = expected_tensors(config)
     _check_weights_fit(config, dtype, device)
     state: dict[str, torch.Tensor] = {}
-    mapped = 0
+    mapped: dict[int, int] = {}  # data pointer -> bytes of the tensors that are still the files' memory
     for key, tensor in _tensors(weight_files(folder)):
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding matrix is the output matrix
@@ -163,7 +169,7 @@ def load_backbone(
                 f"{loaded / GIB:.2f} GiB of {expected_weight_bytes(config, dtype) / GIB:.2f} GiB of weights"
             ) from exc
         if state[name].data_ptr() == tensor.data_ptr():
-            mapped += tensor.numel() * tensor.element_size()  # still the safetensors file's memory
+            mapped[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
     missing = [key for key, (name, _) in expected.items() if name not in state]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -174,5 +180,24 @@ def load_backbone(
         model = Backbone(config, ops)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
-    model.file_mapped_bytes = mapped
+    if widen is None:
+        widen = gemm.compute_dtype(device, dtype) != dtype
+    if widen and device.type == "cpu" and dtype in gemm.LOW_PRECISION:
+        _widen_projections(model)
+    held = {p.data_ptr() for p in model.parameters()}
+    model.file_mapped_bytes = sum(size for pointer, size in mapped.items() if pointer in held)
     return model.eval()
+
+
+def _widen_projections(model: Backbone) -> None:
+    """fp32 copies of the layers' projection weights (:func:`clefserve.model.ops.gemm.widen_weights`) when
+    they take at most ``WIDEN_SHARE`` of the memory still free; else each call widens its weight."""
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    need, free = gemm.widened_bytes(projections), available_memory(model.device)
+    if need > gemm.WIDEN_SHARE * free:
+        log.info("projection weights stay %s (fp32 copies would take %.2f of %.2f GiB free); each projection "
+                 "widens its weight per call", model.dtype, need / GIB, free / GIB)
+        return
+    gemm.widen_weights(projections)
+    log.info("projection weights held in fp32 for fp32 arithmetic (%.2f GiB, %.2f GiB was free)",
+             need / GIB, free / GIB)
