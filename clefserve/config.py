@@ -121,7 +121,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(DTYPES),
         default=d.dtype,
         help="weight and activation dtype; gates, norms and the recurrent state stay fp32; f16 for a V100, "
-        "which has no bf16 (refused there at startup) (default: %(default)s)",
+        "which has no bf16 (refused there at startup). On a CPU without bf16/f16 instructions (AVX512_BF16, "
+        "AMX) projections compute in fp32, rounded to the dtype (default: %(default)s)",
     )
     model.add_argument(
         "--served-model-name",
