@@ -251,7 +251,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="share of the memory left after loading the weights that the paged KV pool takes "
         "(GPU: free device memory less the activation peak of a warm-up --prefill-chunk-size step; CPU: "
-        "available RAM less the file-mapped weights; both less the hidden rows of --max-num-seqs records) "
+        "available RAM, capped by the container's memory limit, less the file-mapped weights; both less the "
+        "hidden rows of --max-num-seqs records) "
         "(default: %(default)s)",
     )
     engine.add_argument(

@@ -10,8 +10,9 @@ outside the KV pool) gets ``--prefix-cache-mb``, at most half of what the pools 
   ``--prefill-chunk-size`` step (which also compiles the Triton kernels before the pools take the memory),
   less one layer's gathered K/V of a ``--max-length`` record, less the hidden rows the running decision
   sequences keep (``--max-num-seqs`` x ``--max-length`` x hidden);
-- CPU: MemAvailable, less the weights that are still the safetensors files' memory (file-mapped: they live
-  in the page cache, which MemAvailable counts as free), less the same hidden rows.
+- CPU: MemAvailable capped by the process's memory cgroup headroom (:mod:`clefserve.model.host_memory`),
+  less the weights that are still the safetensors files' memory (file-mapped: they live in the page cache,
+  which MemAvailable counts as free), less the same hidden rows.
 
 A plan whose pools do not fit that memory, or a device that has no memory left for them, fails at startup
 (:class:`~clefserve.errors.StartupError`, stating the sizes), never mid-request.

@@ -7,11 +7,11 @@ memory planner take a :class:`DeviceFacts`, so tests can hand them any device (a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from clefserve.errors import StartupError
+from clefserve.model.host_memory import host_available
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -58,16 +58,16 @@ def device_facts(device: torch.device) -> DeviceFacts:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes still free on ``device``: free CUDA memory, or MemAvailable on a CPU host."""
+    """Bytes still free on ``device``: free CUDA memory, or on a CPU host MemAvailable capped by the
+    process's memory cgroup limits (:mod:`clefserve.model.host_memory`)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot tell the free memory (no MemAvailable in /proc/meminfo); use --kv-cache-mb")
+    available = host_available()
+    if available is None:
+        raise RuntimeError("cannot tell the free memory (no MemAvailable in /proc/meminfo); "
+                           "use --kv-cache-mb")
+    return available
 
 
 def check_dtype(facts: DeviceFacts, dtype: torch.dtype) -> None:
