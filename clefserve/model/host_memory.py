@@ -38,8 +38,7 @@ def _read(path: Path) -> str | None:
 
 def _stat(folder: Path, *names: str) -> int:
     """The first of ``names`` found in the folder's memory.stat (0 if none)."""
-    values = dict(line.split()[:2] for line in (_read(folder / "memory.stat") or "").splitlines()
-                  if len(line.split()) >= 2)
+    values = dict(line.partition(" ")[::2] for line in (_read(folder / "memory.stat") or "").splitlines())
     for name in names:
         if name in values:
             return int(values[name])
@@ -81,10 +80,11 @@ def cgroup_headroom(self_cgroup: Path = SELF_CGROUP, root: Path = CGROUP_ROOT) -
     """The tightest headroom of the process's memory cgroups, or None where none limits it."""
     tightest = None
     for mount, relative, version in _hierarchies(self_cgroup, root):
-        # without a cgroup namespace the process's path may not exist in this mount (a container sees
-        # its own cgroup as the mount's root): then the mount's root is its cgroup
-        folders = [mount / relative, *(mount / p for p in relative.parents)] if (mount / relative).is_dir() \
-            else [mount]
+        folders = [mount / relative, *(mount / parent for parent in relative.parents)]
+        if not folders[0].is_dir():
+            # without a cgroup namespace the process's path may not exist in this mount (a container sees
+            # its own cgroup as the mount's root): then the mount's root is its cgroup
+            folders = [mount]
         for folder in folders:
             room = _headroom(folder, version)
             if room is not None and (tightest is None or room < tightest):

@@ -32,6 +32,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 FP32_SUFFIXES = ("norm.weight", "A_log", "dt_bias")
 PROGRESS_BYTES = 256 << 20
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def checkpoint_name(config: BackboneConfig, param: str) -> str:
@@ -195,9 +196,9 @@ def _widen_projections(model: Backbone) -> None:
     projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
     need, free = gemm.widened_bytes(projections), available_memory(model.device)
     if need > gemm.WIDEN_SHARE * free:
-        log.info("projection weights stay %s (fp32 copies would take %.2f of %.2f GiB free); each projection "
-                 "widens its weight per call", model.dtype, need / GIB, free / GIB)
+        log.info("projection weights stay %s: fp32 copies would take %.1f MiB of %.2f GiB free; each "
+                 "projection widens its weight per call", model.dtype, need / MIB, free / GIB)
         return
     gemm.widen_weights(projections)
-    log.info("projection weights held in fp32 for fp32 arithmetic (%.2f GiB, %.2f GiB was free)",
-             need / GIB, free / GIB)
+    log.info("projection weights held as fp32 copies for this CPU's fp32 arithmetic: %.1f MiB (%.2f GiB was "
+             "free)", need / MIB, free / GIB)
