@@ -88,17 +88,19 @@ def test_blocks_and_slots_return_after_finishing_and_cancelling(model):
 
 def test_a_failing_step_fails_only_its_sequences(model):
     gen = torch.Generator().manual_seed(1)
-    config = small_config(max_num_seqs=2, prefill_chunk_size=16)
+    # without pausing, long records share a quarter of the step beside a short one: "a"'s last piece (8
+    # tokens) then runs beside 4 of "boom"'s, and the step that fails holds both
+    config = small_config(max_num_seqs=2, prefill_chunk_size=16, layer_preemption=False)
     engine = Engine(model, config, lambda fs: [f.payload for f in fs])
     real_run = engine.runner.run
     boom_submitted = threading.Event()
 
-    def run(chunks):
+    def run(chunks, between_layers=None):
         # "a" must not finish before "boom" is in: then their last pieces share a step (SRPT order)
         boom_submitted.wait(30)
         if any(seq.payload == "boom" for seq, _ in chunks):
             raise RuntimeError("injected")
-        return real_run(chunks)
+        return real_run(chunks, between_layers)
 
     engine.runner.run = run
     with engine:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from clefserve.engine.kv_pool import KVPool
@@ -58,10 +60,12 @@ class ModelRunner:
             self.kv.v[:, block, :tail].copy_(resume.tail_v)
 
     @torch.inference_mode()
-    def run(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def run(self, chunks: list[tuple[Sequence, int]],
+            between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Run ``num_tokens`` new tokens of each ``(sequence, num_tokens)``; returns the hidden rows [N, H].
 
         Keeps the rows of sequences that asked for them; does not advance ``num_computed``.
+        ``between_layers``: see :meth:`Backbone.forward`.
         """
         past = [seq.num_computed for seq, _ in chunks]
         ids = torch.cat([seq.token_ids[p : p + n] for (seq, n), p in zip(chunks, past, strict=True)])
@@ -87,7 +91,7 @@ class ModelRunner:
                 seq_slots(p, n, seq.block_table_tensor, self.kv.block_size, seq.slot, seq.first_block)
             )
         cache = PagedCache(self.kv, self.states, self.attention_index, self.gdn_index, slots)
-        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache, embeds)
+        hidden = self.model(ids.to(self.device, non_blocking=True), batch, cache, embeds, between_layers)
         for i, (seq, _) in enumerate(chunks):
             seq.captured = cache.kept_states(i) if seq.capture_at else None
         start = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -52,19 +54,29 @@ class Backbone(nn.Module):
                 module.ops = ops
 
     def forward(
-        self, input_ids: torch.Tensor, batch: Batch, cache: ForwardCache, embeds: Embeds | None = None
+        self,
+        input_ids: torch.Tensor,
+        batch: Batch,
+        cache: ForwardCache,
+        embeds: Embeds | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run the new tokens ``input_ids [N]`` of the batch's sequences; return final-norm hidden rows.
 
         The caller's ``cache`` supplies and receives each sequence's state (see ``clefserve.model.cache``);
         ``embeds`` replace the embeddings of some rows (pictures), ``batch.mrope`` gives their positions.
+        ``between_layers`` is called after each layer but the last (the engine runs short records there); it
+        may run other forwards, on other sequences' state.
         """
         x = self.embed_tokens(input_ids)
         for row, values in embeds or ():
             x[row : row + values.shape[0]] = values.to(device=x.device, dtype=x.dtype)
         rope = self._rope(batch, input_ids.device, x.dtype)
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             x = layer(x, batch, rope, cache)
+            if between_layers is not None and i < last:
+                between_layers()
         return self.norm(x)
 
     def _rope(
