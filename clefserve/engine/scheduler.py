@@ -7,9 +7,12 @@
   short record is not stuck behind a long one; a long record runs as several chunks, each ending on a
   delta-rule chunk boundary and none a sliver of leftover budget (under a delta-rule chunk, or a quarter of
   the budget if smaller) unless it finishes the record or reaches a snapshot point. While a short record
-  (at most one budget left) runs, long records share at most a quarter of the budget, so the steps a
-  short record waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps
-  in a row goes first (oldest first), so none starves.
+  (at most one budget left) runs, long records share at most ``long_share`` tokens of the step (a quarter
+  of the budget; none where the engine pauses long steps for short records), so the steps a short record
+  waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps in a row goes
+  first (oldest first), with at least a quarter of the budget, so none starves.
+- Inside a paused step (the engine pauses a step of long records between two layers when short records
+  arrive), :meth:`Scheduler.schedule_short` plans a step of short records only, none of the paused ones.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
   blocks; cache-only blocks count as room, evicted when needed). A snapshot point that falls inside a
   piece does not end it: the GDN layers keep their state there (``Batch.captures``) and the snapshot is
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +53,7 @@ class StepPlan:
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # whole prompt cached: done at admission
+    serves_starved: bool = False  # a sequence passed over STARVATION_STEPS times runs in it
 
     @property
     def num_tokens(self) -> int:
@@ -66,13 +71,17 @@ class Scheduler:
         max_queue: int,
         max_length: int,
         cache: PrefixCache | None = None,
+        long_share: int | None = None,
     ) -> None:
+        """``long_share``: tokens of a step that long records get beside a short one (default a quarter of
+        the budget)."""
         if token_budget < 1:
             raise ValueError("--prefill-chunk-size must be at least 1")
         self.blocks, self.slots, self.block_size = blocks, slots, block_size
         self.cache = cache
         self.max_num_seqs, self.token_budget, self.max_queue = max_num_seqs, token_budget, max_queue
         self.max_length = max_length
+        self.long_share = token_budget // 4 if long_share is None else long_share
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.tokens_per_second = 0.0  # recent throughput, kept by the engine; sizes Retry-After
@@ -118,6 +127,56 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._admit_waiting(plan)
+        budget = self.token_budget
+        order = self._by_priority()
+        short = budget
+        # while a short record (one that could finish within a step's budget) runs, long records get at most
+        # ``long_share`` of the budget: its steps stay short, so it answers after a few short steps (one per
+        # snapshot point) instead of after as many full ones
+        long_left = self.long_share if any(seq.num_pending <= short for seq in order) else budget
+        for seq in order:
+            is_long = seq.num_pending > short
+            starved = seq.steps_passed_over >= STARVATION_STEPS
+            # a starved long record gets its share even when long records get none beside a short one
+            cap = budget if not is_long else max(long_left, self.token_budget // 4) if starved else long_left
+            n = self._piece(seq, min(seq.num_pending, budget, cap), budget)
+            if n > 0:
+                plan.chunks.append((seq, n))
+                plan.serves_starved |= starved
+                budget -= n
+                if is_long:
+                    long_left = max(0, long_left - n)
+                seq.steps_passed_over = 0
+            else:
+                seq.steps_passed_over += 1
+        return plan
+
+    def has_short_work(self, paused: Collection[Sequence]) -> bool:
+        """Whether :meth:`schedule_short` may find something to run (cheap; asked between layers)."""
+        if self.waiting:
+            return True
+        return any(seq not in paused and not seq.cancel_requested and seq.num_pending <= self.token_budget
+                   for seq in self.running)
+
+    def schedule_short(self, paused: Collection[Sequence]) -> StepPlan:
+        """A step run inside a paused one (between two of its layers): admission as usual, then only short
+        records (at most one budget left), shortest first, none of ``paused`` (mid-step, their state half
+        advanced). Nobody else's place in line changes: sequences left out are not counted as passed over."""
+        plan = StepPlan()
+        self._admit_waiting(plan)
+        budget = self.token_budget
+        shorts = sorted((seq for seq in self.running if seq not in paused and not seq.cancel_requested
+                         and seq.num_pending <= self.token_budget), key=lambda seq: seq.num_pending)
+        for seq in shorts:
+            n = self._piece(seq, min(seq.num_pending, budget), budget)
+            if n > 0:
+                plan.chunks.append((seq, n))
+                budget -= n
+                seq.steps_passed_over = 0
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan) -> None:
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
@@ -127,43 +186,30 @@ class Scheduler:
             if not self._admit(seq, plan):
                 break  # the head waits for room; nobody overtakes it
             del self.waiting[i]
-        budget = self.token_budget
-        order = self._by_priority()
-        short = budget
-        # while a short record (one that could finish within a step's budget) runs, long records get at most
-        # a quarter of the budget: its steps stay short, so it answers after a few short steps (one per
-        # snapshot point) instead of after as many full ones
-        long_left = budget // 4 if any(seq.num_pending <= short for seq in order) else budget
-        min_piece = min(DELTA_RULE_CHUNK, budget // 4)
-        for seq in order:
-            is_long = seq.num_pending > short
-            n = min(seq.num_pending, budget, long_left if is_long else budget)
-            if DELTA_RULE_CHUNK <= n < seq.num_pending:  # (steps under a chunk are cut anywhere)
-                n = _chunk_aligned(seq.num_computed, n, min(seq.num_pending, budget) - n)
-            at_point = False
-            seq.capture_at = 0
-            if seq.prefix is not None and seq.prefix.points:
-                points = seq.prefix.points
+
+    def _piece(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of the ``n`` tokens offered ``seq`` runs (``budget``: what is left of the step): a cut
+        ends on a delta-rule chunk boundary and at the next snapshot point (the one before it, if inside,
+        is captured: ``seq.capture_at``); a sliver of leftover budget runs nothing."""
+        if DELTA_RULE_CHUNK <= n < seq.num_pending:  # (steps under a chunk are cut anywhere)
+            n = _chunk_aligned(seq.num_computed, n, min(seq.num_pending, budget) - n)
+        at_point = False
+        seq.capture_at = 0
+        if seq.prefix is not None and seq.prefix.points:
+            points = seq.prefix.points
+            to_point = points[0] - seq.num_computed
+            if to_point < n:  # the next snapshot point falls inside the piece: its state is kept there
+                seq.capture_at = to_point
+                points = points[1:]  # and the one after it, if also inside, ends the piece
+            if points:
                 to_point = points[0] - seq.num_computed
-                if to_point < n:  # the next snapshot point falls inside the piece: its state is kept there
-                    seq.capture_at = to_point
-                    points = points[1:]  # and the one after it, if also inside, ends the piece
-                if points:
-                    to_point = points[0] - seq.num_computed
-                    at_point = n >= to_point
-                    n = min(n, to_point)
-            if n < min_piece and n < seq.num_pending and not at_point:
-                n = 0  # a sliver of leftover budget: a step's fixed cost for a few tokens, and a cut chunk
-                seq.capture_at = 0
-            if n > 0:
-                plan.chunks.append((seq, n))
-                budget -= n
-                if is_long:
-                    long_left -= n
-                seq.steps_passed_over = 0
-            else:
-                seq.steps_passed_over += 1
-        return plan
+                at_point = n >= to_point
+                n = min(n, to_point)
+        min_piece = min(DELTA_RULE_CHUNK, self.token_budget // 4)
+        if n < min_piece and n < seq.num_pending and not at_point:
+            seq.capture_at = 0
+            return 0  # a step's fixed cost for a few tokens, and a cut chunk
+        return n
 
     def _by_priority(self) -> list[Sequence]:
         """Running sequences in the order they get tokens: starved ones (oldest first), then the rest by
