@@ -37,6 +37,7 @@ class EngineConfig:
     max_length: int = 16384
     prefix_cache: bool = True
     prefix_cache_mb: int = 512
+    layer_preemption: bool = True
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_images: int = 4
@@ -297,6 +298,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MB",
         help="byte budget of the prefix cache, at most half of the memory the pools leave free "
         "(default: %(default)s)",
+    )
+    engine.add_argument(
+        "--no-layer-preemption",
+        dest="layer_preemption",
+        action="store_false",
+        help="let a step of long records run to its end before short records that arrived during it; by "
+        "default it pauses at the next layer boundary, a step of those short records runs, and it resumes",
     )
     audit = parser.add_argument_group(
         "live audit",

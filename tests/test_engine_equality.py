@@ -59,8 +59,11 @@ def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
     records = [random_ids(model.config.vocab_size, n, gen) for n in _lengths(chunk, rng)]
     expected = [model.run_sequence(ids)[0] for ids in records]
     use_kernels(model, mode)
-    # no prefix cache: it would serve the second pass whole (tests/test_prefix_cache.py covers it)
-    config = small_config(max_num_seqs=seqs, prefill_chunk_size=chunk, block_size=block, prefix_cache=False)
+    # no prefix cache: it would serve the second pass whole (tests/test_prefix_cache.py covers it); long steps
+    # not paused, so that long records' later pieces share steps with short records (paused steps:
+    # tests/test_layer_preemption.py)
+    config = small_config(max_num_seqs=seqs, prefill_chunk_size=chunk, block_size=block, prefix_cache=False,
+                          layer_preemption=False)
     with Engine(model, config, keep_hidden) as engine:
         engine.poison_free_memory()
         first = _submit_all(engine, records)

@@ -95,6 +95,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv.allocator, self.states.allocator, config.block_size, config.max_num_seqs,
             config.prefill_chunk_size, config.max_queue, config.max_length, self.prefix_cache,
+            # pausing long steps lets short records run alone without waiting: none of a step for long ones
+            long_share=0 if config.layer_preemption else None,
         )
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -102,9 +104,10 @@ class Engine:
         self._to_reap: list[Sequence] = []  # running sequences cancelled from other threads
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # run on the worker between steps
         self._idle_work: IdleWork | None = None
+        self._seconds_in_inner_steps = 0.0  # engine thread only: time in steps run inside paused ones
         self._trace: deque[tuple[tuple[int, int], ...]] = deque(maxlen=512)
         self._counts = dict.fromkeys(
-            ("steps", "multi_seq_steps", "prefill_tokens", "finished", "cancelled_waiting",
+            ("steps", "multi_seq_steps", "paused_steps", "prefill_tokens", "finished", "cancelled_waiting",
              "cancelled_running", "failed", "rejected"),
             0,
         )
@@ -360,6 +363,14 @@ class Engine:
         if idle:
             self._run_idle_piece()
             return
+        self._run_plan(plan)
+        if not plan.chunks and not plan.finished and self.scheduler.has_work():
+            with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
+                self._wake.wait(0.01)
+
+    def _run_plan(self, plan: StepPlan, inside_another: bool = False) -> None:
+        """Set up the admitted sequences, answer the wholly cached ones, run the step. ``inside_another``:
+        it runs between two layers of a paused step, and is not paused itself."""
         admitted_at = time.perf_counter()
         for seq in plan.admitted:
             seq.admitted_at = admitted_at
@@ -367,10 +378,40 @@ class Engine:
         if plan.finished:
             self._finish_cached(plan.finished)
         if plan.chunks:
-            self._step(plan)
-        elif not plan.finished and self.scheduler.has_work():
-            with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
-                self._wake.wait(0.01)
+            self._step(plan, None if inside_another else self._short_records_between_layers(plan))
+
+    def _short_records_between_layers(self, plan: StepPlan) -> Callable[[], None] | None:
+        """For a step of long records only: a hook that, between two of its layers, runs a step of the short
+        records that arrived meanwhile (:meth:`Scheduler.schedule_short`), so they wait for a layer rather
+        than the whole step (on a CPU a 1,024-token step of a large model takes seconds). The paused step
+        loses nothing: its sequences' state is theirs alone, and it resumes where it stopped."""
+        budget = self.scheduler.token_budget
+        if not self.config.layer_preemption or plan.serves_starved \
+                or any(seq.num_pending <= budget for seq, _ in plan.chunks):
+            return None  # (a step that serves a starved record runs through: it must not starve on)
+        paused = {seq for seq, _ in plan.chunks}
+
+        def run_short_records() -> None:
+            inner = None
+            try:
+                with self._lock:
+                    if self._closed or not self.scheduler.has_short_work(paused):
+                        return
+                    inner = self.scheduler.schedule_short(paused)
+                if inner.chunks or inner.admitted:
+                    if inner.chunks:
+                        with self._lock:
+                            self._counts["paused_steps"] += 1
+                    started = time.perf_counter()
+                    self._run_plan(inner, inside_another=True)
+                    self._seconds_in_inner_steps += time.perf_counter() - started
+            except Exception as exc:  # a bug: fail what the inner step took on, let the paused step go on
+                log.exception("a step of short records inside a paused step failed")
+                if inner is not None:
+                    self._fail([(seq, exc) for seq in {*inner.admitted, *(s for s, _ in inner.chunks)}
+                                if seq.status is Status.RUNNING])
+
+        return run_short_records
 
     def _run_idle_piece(self) -> None:
         work = self._idle_work
@@ -424,17 +465,17 @@ class Engine:
         if live:
             self._finish(live)
 
-    def _step(self, plan: StepPlan) -> None:
-        started = time.perf_counter()
+    def _step(self, plan: StepPlan, between_layers: Callable[[], None] | None = None) -> None:
+        started, inner_before = time.perf_counter(), self._seconds_in_inner_steps
         try:
-            self.runner.run(plan.chunks)
+            self.runner.run(plan.chunks, between_layers)
         except Exception as exc:
             # the GDN state of every sequence in the step may be half-updated: fail them all
             log.exception("engine step failed (%d sequences, %d tokens)", len(plan.chunks), plan.num_tokens)
             self._fail([(seq, exc) for seq, _ in plan.chunks])
             return
         ended = time.perf_counter()
-        elapsed = ended - started
+        elapsed = ended - started - (self._seconds_in_inner_steps - inner_before)
         with self._lock:
             done = self.scheduler.complete(plan)
             self._account(plan, elapsed)
