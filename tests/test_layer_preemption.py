@@ -28,7 +28,8 @@ LONG, SHORT = 5 * BUDGET + 7, 20
 # ---- the scheduler's step inside a paused one ----
 
 def _scheduler(budget: int = 16, slots: int = 5) -> Scheduler:
-    return Scheduler(BlockAllocator(256), SlotAllocator(slots), 4, slots, budget, 100, max_length=10_000)
+    return Scheduler(BlockAllocator(256), SlotAllocator(slots), 4, slots, budget, 100, max_length=10_000,
+                     pauses_long_steps=True)
 
 
 def _seq(n: int, name: str) -> Sequence:
@@ -37,19 +38,19 @@ def _seq(n: int, name: str) -> Sequence:
 
 def test_the_inner_step_runs_short_records_only_and_none_of_the_paused_step():
     scheduler = _scheduler(budget=16)
-    long_a, long_b = _seq(40, "long-a"), _seq(12, "paused-short")
+    long_a, long_b = _seq(40, "long-a"), _seq(12, "long-b")  # over half the budget: long
     for seq in (long_a, long_b):
         scheduler.add(seq)
     outer = scheduler.schedule()
     paused = {seq for seq, _ in outer.chunks}
     assert paused == {long_a, long_b}
-    for n, name in [(30, "new-long"), (9, "b"), (5, "a")]:
+    for n, name in [(30, "new-long"), (7, "b"), (5, "a")]:
         scheduler.add(_seq(n, name))
     assert scheduler.has_short_work(paused)
     inner = scheduler.schedule_short(paused)
     # admission as usual (FIFO, the new long record too); tokens only for short records not paused
     assert [s.payload for s in inner.admitted] == ["new-long", "b", "a"]
-    assert [(s.payload, n) for s, n in inner.chunks] == [("a", 5), ("b", 9)]
+    assert [(s.payload, n) for s, n in inner.chunks] == [("a", 5), ("b", 7)]
     new_long = next(s for s in inner.admitted if s.payload == "new-long")
     assert new_long.steps_passed_over == 0  # left out of an inner step: not passed over
     scheduler.complete(inner)
@@ -61,11 +62,11 @@ def test_the_inner_step_keeps_to_the_budget_and_to_delta_rule_chunks():
     scheduler = _scheduler(budget=128)
     scheduler.add(_seq(300, "long"))
     paused = {seq for seq, _ in scheduler.schedule().chunks}
-    for n, name in [(100, "a"), (110, "b")]:
+    for n, name in [(60, "a"), (62, "b"), (64, "c")]:
         scheduler.add(_seq(n, name))
     inner = scheduler.schedule_short(paused)
-    # b gets the 28 tokens left: under a delta-rule chunk and a quarter of the budget, a sliver: not run
-    assert [(s.payload, n) for s, n in inner.chunks] == [("a", 100)]
+    # c gets the 6 tokens left: under a delta-rule chunk and a quarter of the budget, a sliver: not run
+    assert [(s.payload, n) for s, n in inner.chunks] == [("a", 60), ("b", 62)]
     assert sum(n for _, n in inner.chunks) <= 128
 
 
@@ -79,6 +80,34 @@ def test_starved_long_records_stay_out_of_the_inner_step():
     inner = scheduler.schedule_short(set())
     assert [(s.payload, n) for s, n in inner.chunks] == [("short", 4)]
     assert starved.steps_passed_over == STARVATION_STEPS
+
+
+def test_a_long_records_last_piece_does_not_share_a_short_records_step():
+    """Where long steps pause, a short record has at most half a budget left; a long record's last piece of
+    up to a budget is long, and gets none of the step a short record runs in."""
+    scheduler = _scheduler(budget=16)
+    tail, short = _seq(12, "tail"), _seq(5, "short")
+    for seq in (tail, short):
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [(s.payload, n) for s, n in first.chunks] == [("short", 5)]
+    assert tail.steps_passed_over == 1
+    scheduler.complete(first)
+    assert [(s.payload, n) for s, n in scheduler.schedule().chunks] == [("tail", 12)]
+
+
+def test_starved_long_records_share_a_quarter_of_the_budget_beside_a_short_one():
+    scheduler = _scheduler(budget=64)
+    starved = [_seq(100, f"starved-{i}") for i in range(3)]
+    for seq in starved:
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.add(_seq(20, "short"))
+    for seq in starved:
+        seq.steps_passed_over = STARVATION_STEPS
+    plan = scheduler.schedule()
+    # the oldest starved record takes the quarter (16 tokens), the short record its 20; the others wait
+    assert [(s.payload, n) for s, n in plan.chunks] == [("starved-0", 16), ("short", 20)]
 
 
 # ---- the engine ----
@@ -221,7 +250,7 @@ def test_rows_equal_one_piece_runs_with_many_steps_paused(model, mode):
     gen = torch.Generator().manual_seed(7)
     vocab = model.config.vocab_size
     first = [random_ids(vocab, n, gen) for n in (3 * BUDGET + 5, 1, 2 * BUDGET, 17, 4 * BUDGET + 1, 40)]
-    later = [random_ids(vocab, rng.randint(1, BUDGET), gen) for _ in range(8)]
+    later = [random_ids(vocab, rng.randint(1, BUDGET // 2), gen) for _ in range(8)]  # short: half a budget
     records = first + later
     expected = [model.run_sequence(ids)[0] for ids in records]
     use_kernels(model, mode)

@@ -95,8 +95,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv.allocator, self.states.allocator, config.block_size, config.max_num_seqs,
             config.prefill_chunk_size, config.max_queue, config.max_length, self.prefix_cache,
-            # pausing long steps lets short records run alone without waiting: none of a step for long ones
-            long_share=0 if config.layer_preemption else None,
+            pauses_long_steps=config.layer_preemption,
         )
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -385,10 +384,8 @@ class Engine:
         records that arrived meanwhile (:meth:`Scheduler.schedule_short`), so they wait for a layer rather
         than the whole step (on a CPU a 1,024-token step of a large model takes seconds). The paused step
         loses nothing: its sequences' state is theirs alone, and it resumes where it stopped."""
-        budget = self.scheduler.token_budget
-        if not self.config.layer_preemption or plan.serves_starved \
-                or any(seq.num_pending <= budget for seq, _ in plan.chunks):
-            return None  # (a step that serves a starved record runs through: it must not starve on)
+        if not self.config.layer_preemption or any(self.scheduler.is_short(seq) for seq, _ in plan.chunks):
+            return None  # a step with a short record in it is short itself; it answers that record
         paused = {seq for seq, _ in plan.chunks}
 
         def run_short_records() -> None:

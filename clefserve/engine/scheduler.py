@@ -7,12 +7,14 @@
   short record is not stuck behind a long one; a long record runs as several chunks, each ending on a
   delta-rule chunk boundary and none a sliver of leftover budget (under a delta-rule chunk, or a quarter of
   the budget if smaller) unless it finishes the record or reaches a snapshot point. While a short record
-  (at most one budget left) runs, long records share at most ``long_share`` tokens of the step (a quarter
-  of the budget; none where the engine pauses long steps for short records), so the steps a short record
-  waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps in a row goes
-  first (oldest first), with at least a quarter of the budget, so none starves.
-- Inside a paused step (the engine pauses a step of long records between two layers when short records
-  arrive), :meth:`Scheduler.schedule_short` plans a step of short records only, none of the paused ones.
+  (:meth:`Scheduler.is_short`) runs, long records share at most a quarter of the step, so the steps a
+  short record waits for stay short. A running sequence that got no tokens for ``STARVATION_STEPS`` steps
+  in a row goes first (oldest first); the starved long records share at least a quarter of the budget, so
+  none starves.
+- Where the engine pauses steps of long records for short ones (``pauses_long_steps``): a short record
+  has at most half a budget left, long records get none of a short record's steps, and inside a paused
+  step (between two of its layers) :meth:`Scheduler.schedule_short` plans a step of short records only,
+  none of the paused ones.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
   blocks; cache-only blocks count as room, evicted when needed). A snapshot point that falls inside a
   piece does not end it: the GDN layers keep their state there (``Batch.captures``) and the snapshot is
@@ -53,7 +55,6 @@ class StepPlan:
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # whole prompt cached: done at admission
-    serves_starved: bool = False  # a sequence passed over STARVATION_STEPS times runs in it
 
     @property
     def num_tokens(self) -> int:
@@ -71,17 +72,21 @@ class Scheduler:
         max_queue: int,
         max_length: int,
         cache: PrefixCache | None = None,
-        long_share: int | None = None,
+        pauses_long_steps: bool = False,
     ) -> None:
-        """``long_share``: tokens of a step that long records get beside a short one (default a quarter of
-        the budget)."""
+        """``pauses_long_steps``: the engine pauses steps of long records between two layers for a step of
+        short ones (:meth:`schedule_short`)."""
         if token_budget < 1:
             raise ValueError("--prefill-chunk-size must be at least 1")
         self.blocks, self.slots, self.block_size = blocks, slots, block_size
         self.cache = cache
         self.max_num_seqs, self.token_budget, self.max_queue = max_num_seqs, token_budget, max_queue
         self.max_length = max_length
-        self.long_share = token_budget // 4 if long_share is None else long_share
+        # the short records of a step run alone when long steps pause for them: none of them waits for a
+        # long record's piece, and a long record's last piece (up to a budget) is not short enough to run
+        # inside a paused step
+        self.short_limit = token_budget // 2 if pauses_long_steps else token_budget
+        self.long_share = 0 if pauses_long_steps else token_budget // 4
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.tokens_per_second = 0.0  # recent throughput, kept by the engine; sizes Retry-After
@@ -130,44 +135,47 @@ class Scheduler:
         self._admit_waiting(plan)
         budget = self.token_budget
         order = self._by_priority()
-        short = budget
-        # while a short record (one that could finish within a step's budget) runs, long records get at most
-        # ``long_share`` of the budget: its steps stay short, so it answers after a few short steps (one per
-        # snapshot point) instead of after as many full ones
-        long_left = self.long_share if any(seq.num_pending <= short for seq in order) else budget
+        # while a short record runs, long records get at most ``long_share`` of the budget: its steps stay
+        # short, so it answers after a few short steps (one per snapshot point) instead of as many full ones
+        long_left = self.long_share if any(self.is_short(seq) for seq in order) else budget
+        starved_left = self.token_budget // 4  # starved long records get this much even beside a short one
         for seq in order:
-            is_long = seq.num_pending > short
+            is_long = not self.is_short(seq)
             starved = seq.steps_passed_over >= STARVATION_STEPS
-            # a starved long record gets its share even when long records get none beside a short one
-            cap = budget if not is_long else max(long_left, self.token_budget // 4) if starved else long_left
+            cap = budget if not is_long else max(long_left, starved_left) if starved else long_left
             n = self._piece(seq, min(seq.num_pending, budget, cap), budget)
             if n > 0:
                 plan.chunks.append((seq, n))
-                plan.serves_starved |= starved
                 budget -= n
                 if is_long:
                     long_left = max(0, long_left - n)
+                    if starved:
+                        starved_left = max(0, starved_left - n)
                 seq.steps_passed_over = 0
             else:
                 seq.steps_passed_over += 1
         return plan
 
+    def is_short(self, seq: Sequence) -> bool:
+        """A record that finishes within one step: at most ``short_limit`` tokens left."""
+        return seq.num_pending <= self.short_limit
+
     def has_short_work(self, paused: Collection[Sequence]) -> bool:
         """Whether :meth:`schedule_short` may find something to run (cheap; asked between layers)."""
         if self.waiting:
             return True
-        return any(seq not in paused and not seq.cancel_requested and seq.num_pending <= self.token_budget
+        return any(seq not in paused and not seq.cancel_requested and self.is_short(seq)
                    for seq in self.running)
 
     def schedule_short(self, paused: Collection[Sequence]) -> StepPlan:
         """A step run inside a paused one (between two of its layers): admission as usual, then only short
-        records (at most one budget left), shortest first, none of ``paused`` (mid-step, their state half
+        records, shortest first, none of ``paused`` (mid-step, their state half
         advanced). Nobody else's place in line changes: sequences left out are not counted as passed over."""
         plan = StepPlan()
         self._admit_waiting(plan)
         budget = self.token_budget
         shorts = sorted((seq for seq in self.running if seq not in paused and not seq.cancel_requested
-                         and seq.num_pending <= self.token_budget), key=lambda seq: seq.num_pending)
+                         and self.is_short(seq)), key=lambda seq: seq.num_pending)
         for seq in shorts:
             n = self._piece(seq, min(seq.num_pending, budget), budget)
             if n > 0:
