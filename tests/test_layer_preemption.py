@@ -82,6 +82,16 @@ def test_starved_long_records_stay_out_of_the_inner_step():
     assert starved.steps_passed_over == STARVATION_STEPS
 
 
+def test_no_short_work_while_a_full_engine_queues_records():
+    scheduler = _scheduler(budget=16, slots=2)
+    for n, name in [(40, "long-a"), (30, "long-b")]:
+        scheduler.add(_seq(n, name))
+    paused = {seq for seq, _ in scheduler.schedule().chunks} | set(scheduler.running)
+    scheduler.add(_seq(4, "queued"))  # no room to admit it until a running record finishes
+    assert not scheduler.has_short_work(paused)
+    assert scheduler.schedule_short(paused).chunks == []
+
+
 def test_a_long_records_last_piece_does_not_share_a_short_records_step():
     """Where long steps pause, a short record has at most half a budget left; a long record's last piece of
     up to a budget is long, and gets none of the step a short record runs in."""

@@ -162,15 +162,15 @@ class Scheduler:
 
     def has_short_work(self, paused: Collection[Sequence]) -> bool:
         """Whether :meth:`schedule_short` may find something to run (cheap; asked between layers)."""
-        if self.waiting:
-            return True
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return True  # one may be admitted
         return any(seq not in paused and not seq.cancel_requested and self.is_short(seq)
                    for seq in self.running)
 
     def schedule_short(self, paused: Collection[Sequence]) -> StepPlan:
         """A step run inside a paused one (between two of its layers): admission as usual, then only short
-        records, shortest first, none of ``paused`` (mid-step, their state half
-        advanced). Nobody else's place in line changes: sequences left out are not counted as passed over."""
+        records, shortest first, none of ``paused`` (mid-step, their state half advanced). Nobody else's
+        place in line changes: sequences left out are not counted as passed over."""
         plan = StepPlan()
         self._admit_waiting(plan)
         budget = self.token_budget
