@@ -22,6 +22,8 @@
   the same piece ends it. A point at a piece's end is snapshotted from the state pool. A waiting sequence
   whose prefix a running one is about to snapshot is *parked* until then (and the queue moves on past it),
   so a shared prefix is computed once. A sequence whose whole prompt is cached finishes at admission.
+- Where the engine runs several steps at once (CPU lanes), each is planned without the sequences of the
+  steps in flight (``busy``): they are neither given tokens nor counted as passed over.
 
 Not thread-safe: the engine calls it under its lock.
 """
@@ -98,6 +100,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_runnable(self, busy: Collection[Sequence] = ()) -> bool:
+        """Whether :meth:`schedule` may plan something with the sequences of ``busy`` left out (cheap)."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return True  # one may be admitted
+        return any(seq not in busy and not seq.cancel_requested for seq in self.running)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -130,11 +138,12 @@ class Scheduler:
             return 1
         return max(1, min(60, math.ceil(queued / self.tokens_per_second)))
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, busy: Collection[Sequence] = ()) -> StepPlan:
+        """The next step; the sequences of ``busy`` (in another step in flight) are left out."""
         plan = StepPlan()
         self._admit_waiting(plan)
         budget = self.token_budget
-        order = self._by_priority()
+        order = self._by_priority(busy)
         # while a short record runs, long records get at most ``long_share`` of the budget: its steps stay
         # short, so it answers after a few short steps (one per snapshot point) instead of as many full ones
         long_left = self.long_share if any(self.is_short(seq) for seq in order) else budget
@@ -219,10 +228,10 @@ class Scheduler:
             return 0  # a step's fixed cost for a few tokens, and a cut chunk
         return n
 
-    def _by_priority(self) -> list[Sequence]:
-        """Running sequences in the order they get tokens: starved ones (oldest first), then the rest by
-        remaining work (ties in admission order)."""
-        live = [seq for seq in self.running if not seq.cancel_requested]
+    def _by_priority(self, busy: Collection[Sequence]) -> list[Sequence]:
+        """Running sequences, but those of ``busy``, in the order they get tokens: starved ones (oldest
+        first), then the rest by remaining work (ties in admission order)."""
+        live = [seq for seq in self.running if not seq.cancel_requested and seq not in busy]
         starved = [seq for seq in live if seq.steps_passed_over >= STARVATION_STEPS]
         rest = sorted((seq for seq in live if seq.steps_passed_over < STARVATION_STEPS),
                       key=lambda seq: seq.num_pending)
