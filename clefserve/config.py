@@ -38,6 +38,7 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_mb: int = 512
     layer_preemption: bool = True
+    cpu_lanes: int = 2
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_images: int = 4
@@ -305,6 +306,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="let a step of long records run to its end before short records that arrived during it; by "
         "default it pauses at the next layer boundary, a step of those short records runs, and it resumes",
+    )
+    engine.add_argument(
+        "--cpu-lanes",
+        type=int,
+        choices=(1, 2),
+        default=d.cpu_lanes,
+        metavar="N",
+        help="on a CPU with 2 or more intra-op threads: up to N engine steps at once, each on its own worker "
+        "thread over other records, sharing the threads (a step alone gets them all); 1 runs one step at a "
+        "time (default: %(default)s; a GPU runs one)",
     )
     audit = parser.add_argument_group(
         "live audit",

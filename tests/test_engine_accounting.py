@@ -52,7 +52,8 @@ def test_blocks_and_slots_return_after_finishing_and_cancelling(model):
     gen = torch.Generator().manual_seed(0)
     finish = PausingFinish()
     # a pool of 60 blocks of 8 tokens: long records also wait for blocks, not only for slots
-    config = small_config(max_num_seqs=4, prefill_chunk_size=32, block_size=8, kv_cache_mb=None)
+    # one lane: holding its finish holds the whole engine between two steps
+    config = small_config(max_num_seqs=4, prefill_chunk_size=32, block_size=8, kv_cache_mb=None, cpu_lanes=1)
     block_bytes = 8 * 1 * 2 * 2 * 16 * 4
     engine = Engine(model, config, finish, memory_budget_bytes=int(60 * block_bytes / config.kv_fraction) + 1)
     assert engine.stats()["kv_blocks_total"] == 60
@@ -89,8 +90,9 @@ def test_blocks_and_slots_return_after_finishing_and_cancelling(model):
 def test_a_failing_step_fails_only_its_sequences(model):
     gen = torch.Generator().manual_seed(1)
     # without pausing, long records share a quarter of the step beside a short one: "a"'s last piece (8
-    # tokens) then runs beside 4 of "boom"'s, and the step that fails holds both
-    config = small_config(max_num_seqs=2, prefill_chunk_size=16, layer_preemption=False)
+    # tokens) then runs beside 4 of "boom"'s, and the step that fails holds both (on one lane: with two, the
+    # second could take "boom" into a step of its own; tests/test_cpu_lanes.py fails a step there)
+    config = small_config(max_num_seqs=2, prefill_chunk_size=16, layer_preemption=False, cpu_lanes=1)
     engine = Engine(model, config, lambda fs: [f.payload for f in fs])
     real_run = engine.runner.run
     boom_submitted = threading.Event()
@@ -176,11 +178,11 @@ def test_an_engine_bug_fails_the_sequences_in_flight_and_the_loop_survives(model
         real_schedule = engine.scheduler.schedule
         broken = threading.Event()
 
-        def schedule():
+        def schedule(*args):
             if not broken.is_set():
                 broken.set()
                 raise AssertionError("scheduler bug")
-            return real_schedule()
+            return real_schedule(*args)
 
         engine.scheduler.schedule = schedule
         with pytest.raises(AssertionError, match="scheduler bug"):

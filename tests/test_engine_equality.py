@@ -61,9 +61,10 @@ def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
     use_kernels(model, mode)
     # no prefix cache: it would serve the second pass whole (tests/test_prefix_cache.py covers it); long steps
     # not paused, so that long records' later pieces share steps with short records (paused steps:
-    # tests/test_layer_preemption.py)
+    # tests/test_layer_preemption.py), and one lane, so that they share them rather than run beside them
+    # (tests/test_cpu_lanes.py)
     config = small_config(max_num_seqs=seqs, prefill_chunk_size=chunk, block_size=block, prefix_cache=False,
-                          layer_preemption=False)
+                          layer_preemption=False, cpu_lanes=1)
     with Engine(model, config, keep_hidden) as engine:
         engine.poison_free_memory()
         first = _submit_all(engine, records)

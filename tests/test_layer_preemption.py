@@ -1,5 +1,7 @@
 """A step of long records pauses between two layers for short records that arrived during it: they run in a
-step of their own there and answer before the paused step ends, which then resumes; no answer changes."""
+step of their own there and answer before the paused step ends, which then resumes; no answer changes. The
+engines here run one lane, so that a second one does not take the short records first
+(tests/test_cpu_lanes.py)."""
 
 from __future__ import annotations
 
@@ -144,8 +146,8 @@ def _engine_with_arrival(model, preemption: bool, layer: int = 1):
     arrival = ArrivalDuringLayer(box, BUDGET, [short_ids])
     handle = model.layers[layer].register_forward_hook(arrival)
     try:
-        engine = Engine(model, small_config(prefill_chunk_size=BUDGET, layer_preemption=preemption),
-                        keep_hidden)
+        config = small_config(cpu_lanes=1, prefill_chunk_size=BUDGET, layer_preemption=preemption)
+        engine = Engine(model, config, keep_hidden)
         box.append(engine)
         with engine:
             long_future = engine.submit(long_ids)
@@ -180,7 +182,7 @@ def test_pausing_changes_when_a_step_runs_not_what_it_computes(model):
     _, _, _, plain_short, plain_trace = _engine_with_arrival(model, preemption=False)
     assert paused_trace[:2] == [[SHORT], [BUDGET]]
     assert plain_trace[0] == [BUDGET] and SHORT in plain_trace[1]
-    with Engine(model, small_config(prefill_chunk_size=BUDGET), keep_hidden) as engine:
+    with Engine(model, small_config(cpu_lanes=1, prefill_chunk_size=BUDGET), keep_hidden) as engine:
         alone = engine.submit(long_ids).result(timeout=60)
         alone_trace = [[n for _, n in step] for step in engine.recent_steps()]
     assert alone_trace == [step for step in paused_trace if step != [SHORT]]
@@ -203,7 +205,8 @@ def test_a_failing_inner_step_fails_its_records_only(model):
     handles = [model.layers[1].register_forward_hook(arrival),
                model.layers[2].register_forward_hook(fail_short)]
     try:
-        engine = Engine(model, small_config(prefill_chunk_size=BUDGET, prefix_cache=False), keep_hidden)
+        config = small_config(cpu_lanes=1, prefill_chunk_size=BUDGET, prefix_cache=False)
+        engine = Engine(model, config, keep_hidden)
         box.append(engine)
         with engine:
             long_rows = engine.submit(long_ids).result(timeout=60)
@@ -226,7 +229,7 @@ def test_a_step_with_a_short_record_in_it_is_not_paused(model):
     arrival = ArrivalDuringLayer(box, SHORT + 4, [later])
     handle = model.layers[1].register_forward_hook(arrival)
     try:
-        engine = Engine(model, small_config(prefill_chunk_size=BUDGET), keep_hidden)
+        engine = Engine(model, small_config(cpu_lanes=1, prefill_chunk_size=BUDGET), keep_hidden)
         box.append(engine)
         with engine:
             engine.submit(first).result(timeout=60)
@@ -268,7 +271,7 @@ def test_rows_equal_one_piece_runs_with_many_steps_paused(model, mode):
     arrivals = ArrivalsDuringLongSteps(box, BUDGET, later)
     handle = model.layers[2].register_forward_hook(arrivals)
     try:
-        engine = Engine(model, small_config(prefill_chunk_size=BUDGET), keep_hidden)
+        engine = Engine(model, small_config(cpu_lanes=1, prefill_chunk_size=BUDGET), keep_hidden)
         box.append(engine)
         with engine:
             engine.poison_free_memory()

@@ -1,10 +1,14 @@
-"""The engine: one worker thread owns the model and runs schedule -> forward -> finish, step after step.
+"""The engine: a worker thread owns the model and runs schedule -> forward -> finish, step after step.
 
 Other threads only submit, cancel and read stats; every scheduler and pool change happens under one lock,
 and the forward itself runs outside it. When sequences finish in a step, ``finish`` is called once with all
 of them (a decision head batches there) and each future gets its element of the returned list.
 Background work (the live audit) runs on the worker only while no sequence waits or runs, one bounded piece
 at a time (:meth:`Engine.set_idle_work`).
+
+On a CPU with two or more intra-op threads a second worker (lane 1) runs a step beside the first one's,
+over other sequences, while the first has one in flight; the two share the threads
+(:mod:`clefserve.engine.lanes`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from clefserve.config import EngineConfig
 from clefserve.engine.errors import EngineClosedError, StepError
 from clefserve.engine.host_malloc import keep_freed_memory, prefault_heap
 from clefserve.engine.kv_pool import KVPool
+from clefserve.engine.lanes import MAX_LANES, ThreadShare
 from clefserve.engine.memory import MIB, MemoryBudget, PoolPlan, measure_memory, plan_pools
 from clefserve.engine.openmp import release_thread_team
 from clefserve.engine.prefix_cache import PrefixCache
@@ -48,6 +53,16 @@ class IdleWork(Protocol):
     def run_piece(self) -> None:
         """One bounded piece of it, on the worker thread, outside the lock; must not raise."""
         ...
+
+
+class Lane:
+    """One worker thread of the engine and the sequences of the steps it has in flight."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.in_flight: set[Sequence] = set()
+        self.seconds_in_inner_steps = 0.0  # its thread only: time in steps run inside paused ones
+        self.thread: threading.Thread | None = None
 
 
 class Engine:
@@ -103,19 +118,29 @@ class Engine:
         self._to_reap: list[Sequence] = []  # running sequences cancelled from other threads
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # run on the worker between steps
         self._idle_work: IdleWork | None = None
-        self._seconds_in_inner_steps = 0.0  # engine thread only: time in steps run inside paused ones
+        threads = torch.get_num_threads()
+        lanes = min(config.cpu_lanes, MAX_LANES, threads) if model.device.type == "cpu" else 1
+        self.lanes = [Lane(i) for i in range(max(1, lanes))]
+        self._share = ThreadShare(threads, self._wake) if len(self.lanes) > 1 else None
         self._trace: deque[tuple[tuple[int, int], ...]] = deque(maxlen=512)
         self._counts = dict.fromkeys(
-            ("steps", "multi_seq_steps", "paused_steps", "prefill_tokens", "finished", "cancelled_waiting",
-             "cancelled_running", "failed", "rejected"),
+            ("steps", "multi_seq_steps", "paused_steps", "side_steps", "prefill_tokens", "finished",
+             "cancelled_waiting", "cancelled_running", "failed", "rejected"),
             0,
         )
         if model.device.type == "cpu":
             # zeroing and faulting in the pools ran parallel regions here: the calling thread's idle OpenMP
             # team would make the engine's wait on the kernel in every op (clefserve.engine.openmp)
             release_thread_team()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+        if len(self.lanes) > 1:
+            log.info("CPU lanes: up to %d steps at once, sharing %d intra-op threads", len(self.lanes),
+                     threads)
+        for lane in self.lanes:
+            name = "engine" if lane.index == 0 else f"engine-lane-{lane.index}"
+            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=name, daemon=True)
+        self._thread = self.lanes[0].thread
+        for lane in self.lanes:
+            lane.thread.start()
 
     # ---- client side (any thread) ----
 
@@ -164,7 +189,7 @@ class Engine:
             except RequestError:
                 self._counts["rejected"] += 1
                 raise
-            self._wake.notify()
+            self._wake.notify_all()
         seq.future.add_done_callback(lambda fut: self._on_done(seq, fut))
         return seq.future
 
@@ -193,6 +218,7 @@ class Engine:
                 "gdn_bytes": self.pools.gdn_bytes,
                 "cancelled": c["cancelled_waiting"] + c["cancelled_running"],
                 "tokens_per_second": self.scheduler.tokens_per_second,
+                "cpu_lanes": len(self.lanes),
                 **c,
                 **self._prefix_stats(),
             }
@@ -224,7 +250,7 @@ class Engine:
         worker looks for live work between pieces, so a sequence that arrives waits at most one piece."""
         with self._lock:
             self._idle_work = work
-            self._wake.notify()
+            self._wake.notify_all()
 
     def recent_steps(self) -> list[tuple[tuple[int, int], ...]]:
         """The last steps' ``((seq_id, tokens), ...)``, oldest first (debugging, tests)."""
@@ -278,7 +304,7 @@ class Engine:
             elif seq.status is Status.RUNNING:
                 seq.cancel_requested = True
                 self._to_reap.append(seq)
-                self._wake.notify()
+                self._wake.notify_all()
 
     def _fault_in_pools(self, config: EngineConfig) -> None:
         """Fault in, before serving, the host pages of the GDN state pool and of the KV blocks that a full
@@ -306,17 +332,21 @@ class Engine:
             if self._closed or threading.current_thread() is self._thread or not self._thread.is_alive():
                 return fn()
             self._calls.append((fn, fut))
-            self._wake.notify()
+            self._wake.notify_all()
         return fut.result()
 
-    def _loop(self) -> None:
+    def _loop(self, lane: Lane) -> None:
         if self.model.device.type == "cpu":
             flushed = flush_subnormals_here()
-            log.info("subnormal floats on the engine thread: %s", "flushed to zero" if flushed else "kept")
-            if self.prefix_cache is not None:
-                self._grow_heap_for_cache()
+            if lane.index == 0:
+                log.info("subnormal floats on the engine thread: %s",
+                         "flushed to zero" if flushed else "kept")
+                if self.prefix_cache is not None:
+                    self._grow_heap_for_cache()
         with torch.inference_mode():
-            self._serve()
+            self._serve(lane)
+        with self._wake:  # shut down: a lane waiting for room beside this one must not wait forever
+            self._rest(lane)
 
     def _grow_heap_for_cache(self) -> None:
         """Before serving, on the worker thread, whose heap the prefix cache's snapshots and hidden rows come
@@ -336,72 +366,138 @@ class Engine:
             log.info("prefix cache: %.0f MiB of the engine thread's heap faulted in before serving (%.2f s)",
                      grown / MIB, time.perf_counter() - started)
 
-    def _serve(self) -> None:
+    def _serve(self, lane: Lane) -> None:
         while not self._closed:
             try:
-                self._iteration()
+                self._iteration(lane)
             except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
                 log.exception("engine loop error; failing the sequences in flight")
                 with self._lock:
-                    in_flight = [*self.scheduler.running, *self.scheduler.waiting]
+                    lane.in_flight.clear()
+                    elsewhere = self._busy()  # what another lane is running is left to it
+                    in_flight = [seq for seq in (*self.scheduler.running, *self.scheduler.waiting)
+                                 if seq not in elsewhere]
                 self._fail([(seq, exc) for seq in in_flight])
 
-    def _iteration(self) -> None:
+    def _busy(self) -> set[Sequence]:
+        """The sequences of the steps in flight, on every lane (with the lock held)."""
+        if len(self.lanes) == 1:
+            return self.lanes[0].in_flight
+        return set().union(*(lane.in_flight for lane in self.lanes))
+
+    def _has_work_for(self, lane: Lane) -> bool:
+        """Whether ``lane`` has something to do now (with the lock held). Lane 0 runs the calls, reaps and
+        runs the idle work; a further lane plans a step only while the lane before it has one in flight, so
+        a lone stream of records stays on lane 0, a second lane's steps run beside another step, and none
+        runs beside idle work (which lane 0 runs with nothing in flight)."""
+        if lane.index == 0:
+            if self._calls or any(seq not in self._busy() for seq in self._to_reap):
+                return True
+        elif not self.lanes[lane.index - 1].in_flight:
+            return False
+        return self.scheduler.has_runnable(self._busy())
+
+    def _iteration(self, lane: Lane) -> None:
         with self._wake:
-            while not (self._closed or self._calls or self._to_reap or self.scheduler.has_work()):
-                if self._idle_work is not None and self._idle_work.pending():
+            while not (self._closed or self._has_work_for(lane)):
+                if lane.index == 0 and self._idle_work is not None and self._idle_work.pending() \
+                        and not self._busy():
                     break
+                self._rest(lane)
                 self._wake.wait()
             if self._closed:
                 return
-            idle = not (self._calls or self._to_reap or self.scheduler.has_work())
-            if not idle:
-                self._run_calls()
-                self._reap()
-                plan = self.scheduler.schedule()
-        if idle:
+            plan = None
+            if self._has_work_for(lane):
+                if lane.index == 0:
+                    self._run_calls()
+                    self._reap()
+                plan = self.scheduler.schedule(self._busy())
+                self._take(lane, plan)
+            elif self._share is not None:  # idle work on lane 0, with nothing in flight anywhere
+                self._share.enter(lane.index)
+        if plan is None:
+            if self._share is not None:
+                self._share.apply(lane.index)  # every thread: no other lane starts a step meanwhile
             self._run_idle_piece()
             return
-        self._run_plan(plan)
+        self._run_plan(plan, lane)
         if not plan.chunks and not plan.finished and self.scheduler.has_work():
             with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
                 self._wake.wait(0.01)
 
-    def _run_plan(self, plan: StepPlan, inside_another: bool = False) -> None:
+    def _take(self, lane: Lane, plan: StepPlan) -> None:
+        """``lane`` runs ``plan`` (with the lock held): its sequences are in flight there, and the lane is
+        busy for the thread share."""
+        lane.in_flight.update(plan.admitted)
+        lane.in_flight.update(seq for seq, _ in plan.chunks)
+        if self._share is not None and (plan.chunks or plan.admitted):
+            self._share.enter(lane.index)
+
+    def _rest(self, lane: Lane) -> None:
+        """``lane`` waits for work (with the lock held): its threads go to the other lanes."""
+        if self._share is not None and self._share.leave(lane.index):
+            release_thread_team()
+
+    def _run_plan(self, plan: StepPlan, lane: Lane, inside_another: bool = False) -> None:
         """Set up the admitted sequences, answer the wholly cached ones, run the step. ``inside_another``:
         it runs between two layers of a paused step, and is not paused itself."""
+        if self._share is not None and not inside_another and (plan.chunks or plan.admitted):
+            self._share.apply(lane.index, wait=True)
         admitted_at = time.perf_counter()
         for seq in plan.admitted:
             seq.admitted_at = admitted_at
         self._prepare(plan)
+        stepping = {seq for seq, _ in plan.chunks}
+        if any(seq not in stepping for seq in plan.admitted):
+            with self._wake:  # set up: another lane may give them tokens
+                lane.in_flight.difference_update(seq for seq in plan.admitted if seq not in stepping)
+                self._wake.notify_all()
         if plan.finished:
-            self._finish_cached(plan.finished)
+            self._finish_cached(plan.finished, lane)
         if plan.chunks:
-            self._step(plan, None if inside_another else self._short_records_between_layers(plan))
+            self._step(plan, lane, self._between_layers(plan, lane, inside_another))
 
-    def _short_records_between_layers(self, plan: StepPlan) -> Callable[[], None] | None:
+    def _between_layers(self, plan: StepPlan, lane: Lane, inside_another: bool) -> Callable[[], None] | None:
+        """The hook a step calls between two of its layers: the lane takes its thread share there, and a step
+        of long records pauses for short ones (:meth:`_short_records_between_layers`)."""
+        pause = None if inside_another else self._short_records_between_layers(plan, lane)
+        share = self._share
+        if share is None:
+            return pause
+        index = lane.index
+
+        def between_layers() -> None:
+            share.apply(index)
+            if pause is not None:
+                pause()
+
+        return between_layers
+
+    def _short_records_between_layers(self, plan: StepPlan, lane: Lane) -> Callable[[], None] | None:
         """For a step of long records only: a hook that, between two of its layers, runs a step of the short
         records that arrived meanwhile (:meth:`Scheduler.schedule_short`), so they wait for a layer rather
         than the whole step (on a CPU a 1,024-token step of a large model takes seconds). The paused step
         loses nothing: its sequences' state is theirs alone, and it resumes where it stopped."""
         if not self.config.layer_preemption or any(self.scheduler.is_short(seq) for seq, _ in plan.chunks):
             return None  # a step with a short record in it is short itself; it answers that record
-        paused = {seq for seq, _ in plan.chunks}
 
         def run_short_records() -> None:
             inner = None
             try:
                 with self._lock:
-                    if self._closed or not self.scheduler.has_short_work(paused):
+                    busy = self._busy()  # the paused step's sequences and any other lane's
+                    if self._closed or not self.scheduler.has_short_work(busy):
                         return
-                    inner = self.scheduler.schedule_short(paused)
+                    inner = self.scheduler.schedule_short(busy)
+                    self._take(lane, inner)
                 if inner.chunks or inner.admitted:
                     if inner.chunks:
                         with self._lock:
                             self._counts["paused_steps"] += 1
                     started = time.perf_counter()
-                    self._run_plan(inner, inside_another=True)
-                    self._seconds_in_inner_steps += time.perf_counter() - started
+                    self._run_plan(inner, lane, inside_another=True)
+                    lane.seconds_in_inner_steps += time.perf_counter() - started
             except Exception as exc:  # a bug: fail what the inner step took on, let the paused step go on
                 log.exception("a step of short records inside a paused step failed")
                 if inner is not None:
@@ -431,10 +527,12 @@ class Engine:
                 fut.set_exception(exc)
 
     def _reap(self) -> None:
+        """Drop the cancelled running sequences, but those in another lane's step (reaped after it)."""
+        busy = self._busy()
         for seq in self._to_reap:
-            if self.scheduler.remove(seq, Status.CANCELLED):
+            if seq not in busy and self.scheduler.remove(seq, Status.CANCELLED):
                 self._counts["cancelled_running"] += 1
-        self._to_reap.clear()
+        self._to_reap = [seq for seq in self._to_reap if seq in busy]
 
     def _prepare(self, plan: StepPlan) -> None:
         failed = []
@@ -450,7 +548,7 @@ class Engine:
             plan.chunks = [(s, n) for s, n in plan.chunks if id(s) not in dropped]
             plan.finished = [s for s in plan.finished if id(s) not in dropped]
 
-    def _finish_cached(self, seqs: list[Sequence]) -> None:
+    def _finish_cached(self, seqs: list[Sequence], lane: Lane) -> None:
         """Sequences whose whole prompt came from the prefix cache: nothing to run, finish them now."""
         now = time.perf_counter()
         for seq in seqs:
@@ -460,10 +558,10 @@ class Engine:
             with self._lock:
                 self._counts["cancelled_running"] += len(seqs) - len(live)
         if live:
-            self._finish(live)
+            self._finish(live, lane)
 
-    def _step(self, plan: StepPlan, between_layers: Callable[[], None] | None = None) -> None:
-        started, inner_before = time.perf_counter(), self._seconds_in_inner_steps
+    def _step(self, plan: StepPlan, lane: Lane, between_layers: Callable[[], None] | None = None) -> None:
+        started, inner_before = time.perf_counter(), lane.seconds_in_inner_steps
         try:
             self.runner.run(plan.chunks, between_layers)
         except Exception as exc:
@@ -472,10 +570,13 @@ class Engine:
             self._fail([(seq, exc) for seq, _ in plan.chunks])
             return
         ended = time.perf_counter()
-        elapsed = ended - started - (self._seconds_in_inner_steps - inner_before)
-        with self._lock:
+        elapsed = ended - started - (lane.seconds_in_inner_steps - inner_before)
+        with self._wake:
             done = self.scheduler.complete(plan)
-            self._account(plan, elapsed)
+            lane.in_flight.difference_update(seq for seq, _ in plan.chunks)
+            self._account(plan, elapsed, lane)
+            if len(self.lanes) > 1:
+                self._wake.notify_all()  # another lane may give these sequences their next tokens
         for seq in done:
             seq.finished_at = ended
         live = [seq for seq in done if seq.future.set_running_or_notify_cancel()]
@@ -483,20 +584,25 @@ class Engine:
             with self._lock:
                 self._counts["cancelled_running"] += len(done) - len(live)
         if live:
-            self._finish(live)
+            self._finish(live, lane)
 
-    def _account(self, plan: StepPlan, elapsed: float) -> None:
+    def _account(self, plan: StepPlan, elapsed: float, lane: Lane) -> None:
         c = self._counts
         c["steps"] += 1
+        if lane.index > 0:
+            c["side_steps"] += 1
         c["prefill_tokens"] += plan.num_tokens
         if len(plan.chunks) > 1:
             c["multi_seq_steps"] += 1
         self._trace.append(tuple((seq.seq_id, n) for seq, n in plan.chunks))
-        rate = plan.num_tokens / max(elapsed, 1e-6)
+        # steps on several lanes at once each run at a share of the machine
+        rate = plan.num_tokens / max(elapsed, 1e-6) * max(1, len(self._share.busy) if self._share else 1)
         tps = self.scheduler.tokens_per_second
         self.scheduler.tokens_per_second = rate if tps == 0 else 0.8 * tps + 0.2 * rate
 
-    def _finish(self, seqs: list[Sequence]) -> None:
+    def _finish(self, seqs: list[Sequence], lane: Lane) -> None:
+        if self._share is not None:  # the head runs on the lane's share too
+            self._share.apply(lane.index)
         finished = [
             FinishedSequence(s.seq_id, s.payload, s.token_ids, s.hidden, s.submitted_at,
                              s.admitted_at or s.submitted_at, s.finished_at or time.perf_counter(),
@@ -525,10 +631,13 @@ class Engine:
                 seq.future.set_result(result)
 
     def _fail(self, failures: list[tuple[Sequence, Exception]]) -> None:
-        with self._lock:
+        with self._wake:
             for seq, _ in failures:
                 self.scheduler.remove(seq, Status.FAILED)
+                for lane in self.lanes:
+                    lane.in_flight.discard(seq)
             self._counts["failed"] += len(failures)
+            self._wake.notify_all()
         for seq, exc in failures:
             _set_exception(seq.future, exc)
 

@@ -1,0 +1,314 @@
+"""CPU lanes: a second worker runs a step beside the first one's, over other sequences, and the two share the
+intra-op threads; no answer changes, no pool leaks, the cores are never oversubscribed, and idle work never
+runs beside a step."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from clefserve.engine import Engine
+from clefserve.engine.kv_pool import BlockAllocator
+from clefserve.engine.lanes import ThreadShare
+from clefserve.engine.scheduler import STARVATION_STEPS, Scheduler
+from clefserve.engine.sequence import Sequence
+from clefserve.engine.state_pool import SlotAllocator
+from clefserve.model.weights import load_backbone
+from tests import device as test_device
+from tests.engine_support import ENGINE_SPECS, keep_hidden, random_ids, small_config
+from tests.kernel_modes import KERNEL_MODES, use_kernels
+
+TOLERANCE = 1e-5
+BUDGET = 48
+
+needs_two_threads = pytest.mark.skipif(
+    test_device.device().type != "cpu" or torch.get_num_threads() < 2,
+    reason="lanes run on a CPU with two or more intra-op threads",
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- the thread share ----
+
+def test_a_lane_alone_gets_every_thread_and_two_split_them():
+    share = ThreadShare(5, threading.Condition())
+    assert share.share(0) == 5
+    with share.condition:
+        share.enter(1)
+    assert share.share(1) == 5  # alone
+    with share.condition:
+        share.enter(0)
+    assert (share.share(0), share.share(1)) == (3, 2)  # the first lane gets the odd one
+    with share.condition:
+        assert share.leave(0) and not share.leave(0)
+    assert share.share(1) == 5
+
+
+def test_a_lane_starts_beside_another_only_once_that_one_has_narrowed():
+    share = ThreadShare(2, threading.Condition())
+    with share.condition:
+        share.enter(0)
+    assert share.apply(0) == 2
+    started = threading.Event()
+
+    def second_lane():
+        with share.condition:
+            share.enter(1)
+        share.apply(1, wait=True)
+        started.set()
+
+    worker = threading.Thread(target=second_lane)
+    worker.start()
+    assert not started.wait(0.2)  # lane 0 still runs on both threads
+    assert share.apply(0) == 1  # its next layer boundary
+    assert started.wait(10)
+    worker.join(10)
+    assert share.running_on == {0: 1, 1: 1}
+    with share.condition:
+        share.leave(1)
+    assert share.apply(0) == 2 and torch.get_num_threads() == 2
+
+
+# ---- the scheduler plans around the steps in flight ----
+
+def test_sequences_in_flight_get_no_tokens_and_are_not_passed_over():
+    scheduler = Scheduler(BlockAllocator(256), SlotAllocator(4), 4, 4, 16, 100, max_length=10_000)
+    a, b = Sequence(torch.zeros(40, dtype=torch.long)), Sequence(torch.zeros(30, dtype=torch.long))
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule(busy=())  # admits both; b, the shorter, gets the budget
+    passed_over = a.steps_passed_over
+    for _ in range(STARVATION_STEPS + 1):
+        plan = scheduler.schedule(busy={a})
+        assert [seq for seq, _ in plan.chunks] == [b]
+    assert a.steps_passed_over == passed_over
+    assert scheduler.has_runnable(busy={a}) and not scheduler.has_runnable(busy={a, b})
+
+
+# ---- the engine ----
+
+@pytest.fixture(scope="module")
+def model(make_release):
+    return load_backbone(make_release(ENGINE_SPECS["two-attn"], seed=11), test_device.dtype(),
+                         test_device.device())
+
+
+def _pools_whole(stats: dict) -> None:
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["kv_blocks_free"] + stats.get("prefix_blocks_cache_only", 0) == stats["kv_blocks_total"]
+    assert stats["gdn_slots_free"] == stats["gdn_slots_total"]
+
+
+class ThreadAudit:
+    """Wraps the runner: at each step's start and at each of its layer boundaries, the threads the lanes
+    run on add up to at most the CPU's, and the calling lane runs on the share it published."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.real_run = engine, engine.runner.run
+        self.checks = self.violations = 0
+        self.lanes_seen: set[str] = set()
+        engine.runner.run = self.run
+
+    def check(self) -> None:
+        share = self.engine._share
+        assert share is not None
+        name = threading.current_thread().name
+        lane = 0 if name == "engine" else int(name.rpartition("-")[2])
+        with share.condition:
+            total, mine = sum(share.running_on.values()), share.running_on.get(lane, 0)
+        self.checks += 1
+        if total > share.total or torch.get_num_threads() != mine:
+            self.violations += 1
+
+    def run(self, chunks, between_layers=None):
+        self.lanes_seen.add(threading.current_thread().name)
+        self.check()
+
+        def hook():
+            if between_layers is not None:
+                between_layers()
+            self.check()
+
+        return self.real_run(chunks, hook)
+
+
+@needs_two_threads
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_rows_equal_one_piece_runs_with_two_lanes_busy(model, mode):
+    """Records of mixed lengths sent together, and then in waves: both lanes run steps, every record's rows
+    equal a one-piece run, the threads are never oversubscribed, and the pools are whole afterwards."""
+    use_kernels(model, "reference")
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    records = [random_ids(vocab, rng.choice([rng.randint(1, 30), rng.randint(60, 5 * BUDGET)]), gen)
+               for _ in range(24)]
+    expected = [model.run_sequence(ids)[0] for ids in records]
+    use_kernels(model, mode)
+    try:
+        config = small_config(max_num_seqs=4, prefill_chunk_size=BUDGET, block_size=8)
+        engine = Engine(model, config, keep_hidden)
+        audit = ThreadAudit(engine)
+        with engine:
+            assert len(engine.lanes) == 2
+            engine.poison_free_memory()
+            got = []
+            for wave in (records[:12], records[12:]):
+                with ThreadPoolExecutor(6) as pool:
+                    futures = list(pool.map(engine.submit, wave))
+                got += [f.result(timeout=120) for f in futures]
+            stats = engine.stats()
+    finally:
+        use_kernels(model, "auto")
+    for ids, want, rows in zip(records, expected, got, strict=True):
+        assert rows.shape == (len(ids), model.config.hidden_size)
+        test_device.assert_close(rows, want, TOLERANCE)
+    assert stats["side_steps"] > 0 and audit.lanes_seen == {"engine", "engine-lane-1"}
+    assert audit.checks > stats["steps"] and audit.violations == 0
+    _pools_whole(stats)
+
+
+@needs_two_threads
+def test_records_sent_one_at_a_time_stay_on_the_first_lane_with_every_thread(model):
+    gen = torch.Generator().manual_seed(4)
+    with Engine(model, small_config(prefill_chunk_size=BUDGET), keep_hidden) as engine:
+        threads = []
+        real_run = engine.runner.run
+
+        def run(chunks, between_layers=None):
+            threads.append(torch.get_num_threads())
+            return real_run(chunks, between_layers)
+
+        engine.runner.run = run
+        for n in (5, 3 * BUDGET + 7, 70):
+            engine.submit(random_ids(model.config.vocab_size, n, gen)).result(timeout=60)
+        stats = engine.stats()
+    assert stats["side_steps"] == 0 and stats["steps"] >= 5
+    assert set(threads) == {2}
+
+
+@needs_two_threads
+def test_a_failing_step_on_the_second_lane_fails_only_its_sequences(model):
+    """Lane 0 holds a long record's step (passing layer boundaries) until lane 1 has run a step of the
+    records sent meanwhile; that step fails: its records fail, lane 0's record answers, nothing leaks."""
+    gen = torch.Generator().manual_seed(5)
+    config = small_config(max_num_seqs=4, prefill_chunk_size=BUDGET, layer_preemption=False)
+    engine = Engine(model, config, lambda fs: [f.payload for f in fs])
+    real_run = engine.runner.run
+    second_lane_ran = threading.Event()
+
+    def run(chunks, between_layers=None):
+        if threading.current_thread().name == "engine-lane-1":
+            second_lane_ran.set()
+            raise RuntimeError("injected")
+        if any(seq.payload == "long" for seq, _ in chunks):
+            deadline = time.monotonic() + 30
+            while not second_lane_ran.is_set() and time.monotonic() < deadline:
+                assert between_layers is not None
+                between_layers()  # as at a layer boundary: lane 0 narrows, lane 1 may start
+                time.sleep(0.002)
+        return real_run(chunks, between_layers)
+
+    engine.runner.run = run
+    vocab = model.config.vocab_size
+    with engine:
+        long = engine.submit(random_ids(vocab, 2 * BUDGET, gen), payload="long")
+        while not engine.lanes[0].in_flight:
+            time.sleep(0.001)
+        others = [engine.submit(random_ids(vocab, 10, gen), payload=p) for p in "ab"]
+        for fut in others:
+            with pytest.raises(RuntimeError, match="injected"):
+                fut.result(timeout=30)
+        assert long.result(timeout=30) == "long"
+        assert engine.submit(random_ids(vocab, 7, gen), payload="after").result(timeout=30) == "after"
+        stats = engine.stats()
+    assert second_lane_ran.is_set() and stats["failed"] == 2
+    _pools_whole(stats)
+
+
+@needs_two_threads
+def test_cancelling_under_load_returns_every_block_and_slot(model):
+    """Records cancelled at random moments, waiting or in flight on either lane: each is counted once, and
+    the pools come back whole."""
+    rng = random.Random(6)
+    gen = torch.Generator().manual_seed(6)
+    vocab = model.config.vocab_size
+    with Engine(model, small_config(max_num_seqs=4, prefill_chunk_size=BUDGET), lambda fs: [0] * len(fs)) \
+            as engine:
+        futures = []
+        for _ in range(4):
+            wave = [engine.submit(random_ids(vocab, rng.randint(1, 4 * BUDGET), gen)) for _ in range(16)]
+            futures += wave
+            for fut in rng.sample(wave, 6):
+                time.sleep(rng.random() * 0.01)
+                fut.cancel()
+            for fut in wave:
+                if not fut.cancelled():
+                    assert fut.result(timeout=60) == 0
+        stats = engine.stats()
+    assert stats["cancelled"] == sum(f.cancelled() for f in futures) > 0
+    assert stats["finished"] + stats["cancelled"] == len(futures)
+    assert stats["side_steps"] > 0
+    _pools_whole(stats)
+
+
+@needs_two_threads
+def test_idle_work_never_runs_beside_a_step(model):
+    """Idle work (the live audit swaps the reference ops onto the backbone for a piece) runs only while no
+    lane has a step in flight, and no lane starts one during a piece."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size
+    with Engine(model, small_config(max_num_seqs=4, prefill_chunk_size=BUDGET), lambda fs: [0] * len(fs)) \
+            as engine:
+        active = {"steps": 0, "pieces": 0, "overlaps": 0}
+        lock = threading.Lock()
+        real_run = engine.runner.run
+
+        def run(chunks, between_layers=None):
+            with lock:
+                active["steps"] += 1
+                active["overlaps"] += active["pieces"]
+            try:
+                return real_run(chunks, between_layers)
+            finally:
+                with lock:
+                    active["steps"] -= 1
+
+        class Work:
+            pieces = 0
+
+            def pending(self):
+                return self.pieces < 400
+
+            def run_piece(self):
+                with lock:
+                    active["pieces"] += 1
+                    active["overlaps"] += active["steps"]
+                self.pieces += 1
+                time.sleep(0.002)
+                with lock:
+                    active["pieces"] -= 1
+
+        engine.runner.run = run
+        work = Work()
+        engine.set_idle_work(work)
+        for _ in range(6):
+            wave = [random_ids(vocab, n, gen) for n in (5, 90, 130, 9, 60, 150)]
+            with ThreadPoolExecutor(6) as pool:
+                futures = list(pool.map(engine.submit, wave))
+            assert [f.result(timeout=60) for f in futures] == [0] * 6
+            time.sleep(0.02)
+        stats = engine.stats()
+    assert work.pieces > 0 and stats["side_steps"] > 0
+    assert active["overlaps"] == 0
