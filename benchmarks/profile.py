@@ -16,7 +16,10 @@ The live audit is off here (it swaps the reference ops onto the model in idle ti
 the op timers and add reference compute to the profile); ``benchmarks.audit`` measures its cost.
 
 Shares are of the measured wall time. The engine thread's parts add up to 100%; the request side runs on
-other threads, concurrently (on a 2-core machine it takes cores from the engine). Op timers synchronise
+other threads, concurrently (on a 2-core machine it takes cores from the engine). With CPU lanes
+(``--cpu-lanes 2``, the server's default; ``clefserve.engine.lanes``) the engine has two worker threads: the
+parts are then summed over both and their shares are of twice the wall time, so they still add up to 100%
+(a lane waiting for a step beside the other's counts as idle). Op timers synchronise
 CUDA when the model runs there, so a GPU profile shows where launches wait.
 
 ``--ops N`` looks below the parts: ``torch.profiler`` records the engine thread's aten ops during the run
@@ -62,6 +65,7 @@ class Timers:
         self.calls: dict[str, int] = defaultdict(int)
         self.sync = sync
         self._local = threading.local()
+        self._lock = threading.Lock()  # the engine's lanes time their parts side by side
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -77,13 +81,15 @@ class Timers:
             self.sync()
             elapsed = time.perf_counter() - start
             inner = stack.pop()
-            self.seconds[name] += elapsed - inner
+            with self._lock:
+                self.seconds[name] += elapsed - inner
             if stack:
                 stack[-1] += elapsed
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
+            with self._lock:
+                self.calls[name] += 1
             with self.part(name):
                 return fn(*args, **kwargs)
 
@@ -216,10 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--prefill-chunk-size", type=int, default=1024)
     parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--cpu-lanes", type=int, choices=(1, 2), default=EngineConfig.cpu_lanes,
+                        help="as the server's flag (default: %(default)s)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "fast", "reference"))
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="also print the N aten ops (by input shapes) that took the most of the engine "
-                             "thread's CPU time, from torch.profiler; its overhead then adds to the parts")
+                             "thread's CPU time (the first lane's, with two), from torch.profiler; its "
+                             "overhead then adds to the parts")
     add_tokenizer_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -232,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         decider = ClefDecider(folder, DTYPES[args.dtype], kernels=args.kernels)
         config = EngineConfig(dtype=args.dtype, port=free_port(), max_num_seqs=args.max_num_seqs,
                               prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=1024,
-                              prefix_cache=not args.no_prefix_cache, audit_fraction=0.0)
+                              prefix_cache=not args.no_prefix_cache, audit_fraction=0.0,
+                              cpu_lanes=args.cpu_lanes)
         backend = EngineBackend(decider, config, "bench")
         server, thread, loop_info = serve_in_thread(backend, config)
         url = f"http://127.0.0.1:{config.port}"
@@ -261,23 +271,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the op timers of {', '.join(untimed)} never ran: something replaced the model's "
                          "ops after they were instrumented, so these shares would be wrong")
     wall = result["wall"]
+    lanes = len(backend.engine.lanes)
     seconds = dict(timers.seconds)
     busy = sum(seconds.get(p, 0.0) for p in ENGINE_PARTS[:-1])
-    seconds["idle + untimed"] = max(0.0, wall - busy)
+    seconds["idle + untimed"] = max(0.0, lanes * wall - busy)
     tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
     latencies = sorted(result["latencies"])
     model = args.w or f"shape {args.shape}, tokenizer {args.tokenizer}"
     print(f"# {model}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
           f"{args.threads} threads, concurrency {args.concurrency}, "
           f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "
-          f"prefix cache {'off' if args.no_prefix_cache else 'on'}")
+          f"prefix cache {'off' if args.no_prefix_cache else 'on'}, {lanes} lane(s)")
     print(f"wall {wall:.2f} s, {len(latencies) / wall:.2f} req/s, {tokens / wall:.0f} computed tok/s, "
-          f"p50 {latencies[len(latencies) // 2]:.2f} s, steps {stats['steps'] - stats_before['steps']}")
-    print(f"{'engine thread':<28} {'seconds':>8} {'share':>7} {'calls':>7} {'ms/call':>8}")
+          f"p50 {latencies[len(latencies) // 2]:.2f} s, steps {stats['steps'] - stats_before['steps']} "
+          f"({stats['side_steps'] - stats_before['side_steps']} on the second lane)")
+    title = "engine thread" if lanes == 1 else f"engine lanes ({lanes} x wall)"
+    print(f"{title:<28} {'seconds':>8} {'share':>7} {'calls':>7} {'ms/call':>8}")
     for part in ENGINE_PARTS:
         spent, calls = seconds.get(part, 0.0), timers.calls.get(part, 0)
         per_call = f" {calls:7d} {1e3 * spent / calls:8.3f}" if calls else ""
-        print(f"  {part:<26} {spent:8.3f} {100 * spent / wall:6.1f}%{per_call}")
+        print(f"  {part:<26} {spent:8.3f} {100 * spent / (lanes * wall):6.1f}%{per_call}")
     print(f"{'request side (other threads)':<28}")
     for part, value in (("record encoding", seconds.get("record encoding", 0.0)),
                         ("HTTP + JSON (event loop CPU)", loop_cpu)):
