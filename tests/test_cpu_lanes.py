@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from clefserve.engine import Engine
-from clefserve.engine.kv_pool import BlockAllocator
+from clefserve.engine.kv_pool import BlockAllocator, KVPool
 from clefserve.engine.lanes import ThreadShare
 from clefserve.engine.scheduler import STARVATION_STEPS, Scheduler
 from clefserve.engine.sequence import Sequence
@@ -94,6 +94,50 @@ def test_sequences_in_flight_get_no_tokens_and_are_not_passed_over():
         assert [seq for seq, _ in plan.chunks] == [b]
     assert a.steps_passed_over == passed_over
     assert scheduler.has_runnable(busy={a}) and not scheduler.has_runnable(busy={a, b})
+
+
+# ---- the KV pool's pages, faulted in by two lanes at once ----
+
+class _SlowFirstZeroing:
+    """Stands in for the pool's K tensor: the first slice zeroed blocks until released."""
+
+    def __init__(self, real: torch.Tensor) -> None:
+        self.real, self.calls = real, 0
+        self.zeroing, self.release = threading.Event(), threading.Event()
+
+    def __getitem__(self, index):
+        tensor = self.real[index]
+        self.calls += 1
+        if self.calls > 1:
+            return tensor
+        outer = self
+
+        class Slow:
+            def zero_(self):
+                outer.zeroing.set()
+                assert outer.release.wait(10)
+                return tensor.zero_()
+
+        return Slow()
+
+
+def test_a_lane_waits_while_the_other_zeroes_the_pages_it_needs():
+    """Without the lock, the second lane would see the blocks as not yet resident, zero them itself, return
+    and start writing them while the first is still zeroing them."""
+    pool = KVPool(1, 64, 4, 1, 8, torch.float32, torch.device("cpu"))
+    slow = pool.k = _SlowFirstZeroing(pool.k)
+    first = threading.Thread(target=pool.make_resident, args=(8,))
+    first.start()
+    assert slow.zeroing.wait(10)
+    second = threading.Thread(target=pool.make_resident, args=(8,))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waits for the first lane's zeroing
+    slow.release.set()
+    first.join(10)
+    second.join(10)
+    assert not second.is_alive() and slow.calls == 1  # the second found the blocks resident
+    assert pool.resident_blocks >= 8
 
 
 # ---- the engine ----

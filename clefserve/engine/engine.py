@@ -501,8 +501,10 @@ class Engine:
             except Exception as exc:  # a bug: fail what the inner step took on, let the paused step go on
                 log.exception("a step of short records inside a paused step failed")
                 if inner is not None:
-                    self._fail([(seq, exc) for seq in {*inner.admitted, *(s for s, _ in inner.chunks)}
-                                if seq.status is Status.RUNNING])
+                    taken = {*inner.admitted, *(s for s, _ in inner.chunks)}
+                    with self._lock:
+                        lane.in_flight.difference_update(taken)
+                    self._fail([(seq, exc) for seq in taken if seq.status is Status.RUNNING])
 
         return run_short_records
 

@@ -8,6 +8,8 @@ cache and the sequences resumed from it share blocks; a block is free again when
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 RESIDENT_STEP_BYTES = 64 << 20  # host KV pages faulted in at a time (KVPool.make_resident)
@@ -117,6 +119,9 @@ class KVPool:
         self.allocator = BlockAllocator(num_blocks)
         # host memory: blocks below this have had their pages faulted in (see ``make_resident``)
         self._resident = num_blocks if device.type != "cpu" else 0
+        # the engine's lanes prepare sequences side by side: a block one of them zeroes must not be one the
+        # other has made resident since and is writing
+        self._resident_lock = threading.Lock()
         self._resident_step = max(1, RESIDENT_STEP_BYTES // max(1, self.block_bytes))
 
     @property
@@ -165,14 +170,18 @@ class KVPool:
         """
         if end_block <= self._resident:
             return
-        end = min(self.num_blocks, max(end_block, self._resident + self._resident_step))
-        self.k[:, self._resident : end].zero_()
-        self.v[:, self._resident : end].zero_()
-        self._resident = end
+        with self._resident_lock:
+            if end_block <= self._resident:
+                return
+            end = min(self.num_blocks, max(end_block, self._resident + self._resident_step))
+            self.k[:, self._resident : end].zero_()
+            self.v[:, self._resident : end].zero_()
+            self._resident = end
 
     def fill_blocks(self, blocks: list[int], value: float) -> None:
         if blocks:
-            self._resident = max(self._resident, max(blocks) + 1)  # touched now: never zero them later
+            with self._resident_lock:
+                self._resident = max(self._resident, max(blocks) + 1)  # touched now: never zero them later
             index = torch.tensor(blocks, dtype=torch.long, device=self.device)
             self.k.index_fill_(1, index, value)
             self.v.index_fill_(1, index, value)

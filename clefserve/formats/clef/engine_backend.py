@@ -15,6 +15,7 @@ import datetime as dt
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, as_completed
@@ -74,6 +75,7 @@ class EngineBackend:
         self._self_check = self_check
         self._check_failure: str | None = None
         self._nonfinite = 0  # records whose hidden rows or logits were NaN/Inf (refused, never answered)
+        self._nonfinite_lock = threading.Lock()
         # for GET /v1/status: "not run", "running", "passed" or "failed", when it finished, the first problem
         self._check_result = "not run"
         self._check_finished_at: dt.datetime | None = None
@@ -418,7 +420,8 @@ class EngineBackend:
             if not isinstance(record_logits, Exception) and not all_finite(list(record_logits)):
                 record_logits = NonFiniteError("the decision head's logits")
             if isinstance(record_logits, NonFiniteError):
-                self._nonfinite += 1
+                with self._nonfinite_lock:  # the engine's CPU lanes finish steps side by side
+                    self._nonfinite += 1
                 log.error("sequence %d (%d tokens): %s", f.seq_id, len(f.token_ids), record_logits.message)
             if isinstance(record_logits, Exception):
                 results.append(record_logits)
