@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-import threading
 import time
 
 import torch
 
 from benchmarks.heap import add_heap_argument, prepare_heap
+from benchmarks.workload import closed_loop
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine
 from clefserve.engine.openmp import release_thread_team
@@ -72,24 +72,7 @@ def main() -> None:
 
     with Engine(model, config, lambda fs: [None] * len(fs)) as engine:
         engine.submit(records[0][:64]).result()  # warm-up
-        queue = list(records)
-        lock = threading.Lock()
-
-        def client() -> None:  # closed loop: each client sends its next record when the last is answered
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    ids = queue.pop()
-                engine.submit(ids).result()
-
-        clients = [threading.Thread(target=client) for _ in range(args.concurrency)]
-        started = time.perf_counter()
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
-        elapsed = time.perf_counter() - started
+        elapsed = closed_loop(engine.submit, records, args.concurrency)
         stats = engine.stats()
     print(f"engine        : {tokens / elapsed:8.0f} tok/s ({elapsed:.2f} s), "
           f"x{reference / elapsed:.2f}; {stats['steps']} steps, {stats['multi_seq_steps']} shared, "

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.heap import add_heap_argument, prepare_heap
 from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
+from benchmarks.workload import closed_loop
 from clefserve.config import DTYPES, EngineConfig
 from clefserve.engine import Engine
 from clefserve.engine.openmp import release_thread_team
@@ -33,23 +32,7 @@ def run_round(model: Backbone, config: EngineConfig, records: list[torch.Tensor]
     engine = Engine(model, config, lambda finished: [None] * len(finished))
     try:
         engine.submit(records[0][:64]).result()  # warm-up
-        queue, lock = list(records), threading.Lock()
-
-        def client() -> None:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    ids = queue.pop()
-                engine.submit(ids).result()
-
-        clients = [threading.Thread(target=client) for _ in range(concurrency)]
-        started = time.perf_counter()
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
-        return time.perf_counter() - started
+        return closed_loop(engine.submit, records, concurrency)
     finally:
         engine.shutdown()
 

@@ -1,8 +1,14 @@
-"""The benchmark workload: System One requests whose records have a given token count."""
+"""The benchmark workload: System One requests whose records have a given token count, and a closed loop of
+clients that keeps an engine busy with records."""
 
 from __future__ import annotations
 
 import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from clefserve.formats.clef.encoder import ClefEncoder
 from clefserve.testing.tokenizer import WORDS
@@ -36,3 +42,25 @@ def make_request(encoder: ClefEncoder, tokens: int, rng: random.Random) -> dict:
             low = middle + 1
     length(words[:low])
     return request
+
+
+def closed_loop(submit: Callable[[Any], Future], records: list, concurrency: int) -> float:
+    """Wall seconds for ``concurrency`` clients to get every record answered, each sending its next record
+    when its last is answered (``submit``: for example ``Engine.submit``)."""
+    queue, lock = list(records), threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                record = queue.pop()
+            submit(record).result()
+
+    clients = [threading.Thread(target=client) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    return time.perf_counter() - started
