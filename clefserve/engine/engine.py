@@ -597,8 +597,8 @@ class Engine:
         if len(plan.chunks) > 1:
             c["multi_seq_steps"] += 1
         self._trace.append(tuple((seq.seq_id, n) for seq, n in plan.chunks))
-        # steps on several lanes at once each run at a share of the machine
-        rate = plan.num_tokens / max(elapsed, 1e-6) * max(1, len(self._share.busy) if self._share else 1)
+        busy_lanes = len(self._share.busy) if self._share is not None else 1  # each ran on a share of the CPU
+        rate = plan.num_tokens / max(elapsed, 1e-6) * max(1, busy_lanes)
         tps = self.scheduler.tokens_per_second
         self.scheduler.tokens_per_second = rate if tps == 0 else 0.8 * tps + 0.2 * rate
 

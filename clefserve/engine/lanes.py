@@ -74,15 +74,12 @@ class ThreadShare:
             before, now = self.running_on.get(lane, 0), self.share(lane)
             if now == before:
                 return now
-            if now < before:  # publish only once narrowed: the lane waiting for room may then start
-                narrow = True
-            else:
-                narrow = False
+            if now > before:  # widening: publish first, so that no lane counts on these threads meanwhile
                 self.running_on[lane] = now
-        if narrow:
+        if now < before:
             release_thread_team()
         torch.set_num_threads(now)
-        if narrow:
+        if now < before:  # narrowing: publish once narrowed; a lane waiting for room may then start
             with self.condition:
                 self.running_on[lane] = now
                 self.condition.notify_all()

@@ -102,9 +102,10 @@ class Scheduler:
 
     def has_runnable(self, busy: Collection[Sequence] = ()) -> bool:
         """Whether :meth:`schedule` may plan something with the sequences of ``busy`` left out (cheap)."""
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return True  # one may be admitted
-        return any(seq not in busy and not seq.cancel_requested for seq in self.running)
+        return self._may_admit() or any(seq not in busy and not seq.cancel_requested for seq in self.running)
+
+    def _may_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -169,21 +170,20 @@ class Scheduler:
         """A record that finishes within one step: at most ``short_limit`` tokens left."""
         return seq.num_pending <= self.short_limit
 
-    def has_short_work(self, paused: Collection[Sequence]) -> bool:
+    def has_short_work(self, busy: Collection[Sequence]) -> bool:
         """Whether :meth:`schedule_short` may find something to run (cheap; asked between layers)."""
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return True  # one may be admitted
-        return any(seq not in paused and not seq.cancel_requested and self.is_short(seq)
-                   for seq in self.running)
+        return self._may_admit() or any(seq not in busy and not seq.cancel_requested and self.is_short(seq)
+                                        for seq in self.running)
 
-    def schedule_short(self, paused: Collection[Sequence]) -> StepPlan:
+    def schedule_short(self, busy: Collection[Sequence]) -> StepPlan:
         """A step run inside a paused one (between two of its layers): admission as usual, then only short
-        records, shortest first, none of ``paused`` (mid-step, their state half advanced). Nobody else's
-        place in line changes: sequences left out are not counted as passed over."""
+        records, shortest first, none of ``busy`` (the steps in flight: the paused one's, mid-step, their
+        state half advanced, and another lane's). Nobody else's place in line changes: sequences left out
+        are not counted as passed over."""
         plan = StepPlan()
         self._admit_waiting(plan)
         budget = self.token_budget
-        shorts = sorted((seq for seq in self.running if seq not in paused and not seq.cancel_requested
+        shorts = sorted((seq for seq in self.running if seq not in busy and not seq.cancel_requested
                          and self.is_short(seq)), key=lambda seq: seq.num_pending)
         for seq in shorts:
             n = self._piece(seq, min(seq.num_pending, budget), budget)
