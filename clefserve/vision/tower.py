@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clefserve.model.layers import Embedding
+from clefserve.model.layers import Embedding, Linear
+from clefserve.model.ops import gemm
 from clefserve.vision.config import VisionConfig
 
 LAYER_NORM_EPS = 1e-6
@@ -41,7 +42,8 @@ class PatchProjection(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.weight.reshape(self.weight.shape[0], -1)
-        return F.linear(pixels.to(weight.dtype), weight, self.bias)
+        # the bias has the tower's dtype; the weight may be an fp32 copy (clefserve.model.ops.gemm)
+        return gemm.linear(pixels.to(self.bias.dtype), weight, self.bias)
 
 
 class PatchEmbed(nn.Module):
@@ -56,8 +58,8 @@ class PatchEmbed(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +79,8 @@ class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.heads, self.head_dim = config.num_heads, config.head_dim
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = Linear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(
         self, x: torch.Tensor, frames: list[int], cos: torch.Tensor, sin: torch.Tensor
@@ -119,8 +121,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         merged = config.hidden_size * config.spatial_merge_size**2
         self.norm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
-        self.linear_fc1 = nn.Linear(merged, merged)
-        self.linear_fc2 = nn.Linear(merged, config.out_hidden_size)
+        self.linear_fc1 = Linear(merged, merged, bias=True)
+        self.linear_fc2 = Linear(merged, config.out_hidden_size, bias=True)
         self.merged = merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
