@@ -59,6 +59,39 @@ def test_a_record_that_fits_in_one_budget_keeps_its_step_short():
     assert finished == ["s", "long"]
 
 
+def test_a_short_record_the_rest_of_a_step_cannot_finish_waits_whole_for_the_next():
+    """Cut, it would answer only after a second step, and the first step would run longer for nothing; the
+    long record still gets its share beside the short ones."""
+    scheduler = _scheduler(slots=4, budget=40)
+    for n, name in [(100, "long"), (10, "a"), (12, "b"), (20, "c")]:
+        scheduler.add(_seq(n, name))
+    steps, finished = _drain(scheduler)
+    assert steps[0] == [("a", 10), ("b", 12), ("long", 10)]  # c (20) does not fit the 18 left: not 18 + 2
+    assert steps[1] == [("c", 20), ("long", 10)]
+    assert finished[:3] == ["a", "b", "c"]
+
+
+def test_a_short_record_left_whole_again_and_again_is_not_starved():
+    """Shorter records keep arriving and fill every step: the one that never fits what they leave still
+    runs within the starvation limit."""
+    scheduler = _scheduler(blocks=1000, slots=4, budget=40)
+    scheduler.add(_seq(30, "late"))
+    waited, longest, i = 0, 0, 0
+    while any(s.payload == "late" for s in [*scheduler.running, *scheduler.waiting]):
+        while len(scheduler.waiting) + len(scheduler.running) < 4:
+            scheduler.add(_seq(10, f"s{i}"))  # three of them fill 30 of the 40: 30 never fits beside them
+            i += 1
+        plan = scheduler.schedule()
+        if any(s.payload == "late" for s, _ in plan.chunks):
+            assert ("late", 30) in [(s.payload, n) for s, n in plan.chunks]  # whole, never cut
+        else:
+            waited += 1
+            longest = max(longest, waited)
+        scheduler.complete(plan)
+        assert i < 500, "the record never ran"
+    assert 0 < longest <= STARVATION_STEPS
+
+
 def test_cuts_that_leave_a_record_unfinished_end_on_delta_rule_chunk_boundaries():
     """A chunk of 64 positions cut in two would be computed by both pieces: a long record's pieces end on
     multiples of 64, up when the step has room, else down (each piece keeping most of its share)."""

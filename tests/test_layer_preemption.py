@@ -67,9 +67,24 @@ def test_the_inner_step_keeps_to_the_budget_and_to_delta_rule_chunks():
     for n, name in [(60, "a"), (62, "b"), (64, "c")]:
         scheduler.add(_seq(n, name))
     inner = scheduler.schedule_short(paused)
-    # c gets the 6 tokens left: under a delta-rule chunk and a quarter of the budget, a sliver: not run
+    # c does not fit the 6 tokens left: it waits whole for the next step
     assert [(s.payload, n) for s, n in inner.chunks] == [("a", 60), ("b", 62)]
     assert sum(n for _, n in inner.chunks) <= 128
+    scheduler.complete(inner)
+    assert [(s.payload, n) for s, n in scheduler.schedule_short(paused).chunks] == [("c", 64)]
+
+
+def test_a_short_record_the_inner_steps_rest_cannot_finish_waits_whole():
+    """Cut, a short record would answer only after a second step; whole, it answers after the next one."""
+    scheduler = _scheduler(budget=40)  # short: at most 20 left
+    scheduler.add(_seq(100, "long"))
+    paused = {seq for seq, _ in scheduler.schedule().chunks}
+    for n, name in [(10, "a"), (12, "b"), (20, "c")]:
+        scheduler.add(_seq(n, name))
+    inner = scheduler.schedule_short(paused)
+    assert [(s.payload, n) for s, n in inner.chunks] == [("a", 10), ("b", 12)]  # not c's 16 of the 18 left
+    scheduler.complete(inner)
+    assert [(s.payload, n) for s, n in scheduler.schedule_short(paused).chunks] == [("c", 20)]
 
 
 def test_starved_long_records_stay_out_of_the_inner_step():

@@ -151,6 +151,9 @@ class Scheduler:
         starved_left = self.token_budget // 4  # starved long records get this much even beside a short one
         for seq in order:
             is_long = not self.is_short(seq)
+            if self._waits_whole(seq, plan, budget):
+                seq.steps_passed_over += 1
+                continue
             starved = seq.steps_passed_over >= STARVATION_STEPS
             cap = budget if not is_long else max(long_left, starved_left) if starved else long_left
             n = self._piece(seq, min(seq.num_pending, budget, cap), budget)
@@ -165,6 +168,12 @@ class Scheduler:
             else:
                 seq.steps_passed_over += 1
         return plan
+
+    def _waits_whole(self, seq: Sequence, plan: StepPlan, budget: int) -> bool:
+        """A short record that the rest of a step's ``budget`` cannot finish is left whole for the next step
+        (or another lane's): cut, it would answer only after a second step, and the step that took its
+        first piece would have run longer for nothing."""
+        return bool(plan.chunks) and self.is_short(seq) and seq.num_pending > budget
 
     def is_short(self, seq: Sequence) -> bool:
         """A record that finishes within one step: at most ``short_limit`` tokens left."""
@@ -186,6 +195,8 @@ class Scheduler:
         shorts = sorted((seq for seq in self.running if seq not in busy and not seq.cancel_requested
                          and self.is_short(seq)), key=lambda seq: seq.num_pending)
         for seq in shorts:
+            if self._waits_whole(seq, plan, budget):
+                continue
             n = self._piece(seq, min(seq.num_pending, budget), budget)
             if n > 0:
                 plan.chunks.append((seq, n))
