@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -47,15 +48,28 @@ def make_request(encoder: ClefEncoder, tokens: int, rng: random.Random) -> dict:
 def closed_loop(submit: Callable[[Any], Future], records: list, concurrency: int) -> float:
     """Wall seconds for ``concurrency`` clients to get every record answered, each sending its next record
     when its last is answered (``submit``: for example ``Engine.submit``)."""
-    queue, lock = list(records), threading.Lock()
+    return timed_closed_loop(submit, records, concurrency)[0]
+
+
+def timed_closed_loop(submit: Callable[[Any], Future], records: list, concurrency: int,
+                      prepare: Callable[[Any], None] | None = None) -> tuple[float, list[float]]:
+    """:func:`closed_loop` that also gives each record's latency (in ``records``' order; the records go out
+    in that order, so the first ``concurrency`` are the opening burst). ``prepare(record)`` runs on the
+    client before it submits the record and counts in its latency (a request's encoding, say)."""
+    queue, lock = deque(enumerate(records)), threading.Lock()
+    latencies = [0.0] * len(records)
 
     def client() -> None:
         while True:
             with lock:
                 if not queue:
                     return
-                record = queue.pop()
+                index, record = queue.popleft()
+            sent = time.perf_counter()
+            if prepare is not None:
+                prepare(record)
             submit(record).result()
+            latencies[index] = time.perf_counter() - sent
 
     clients = [threading.Thread(target=client) for _ in range(concurrency)]
     started = time.perf_counter()
@@ -63,4 +77,4 @@ def closed_loop(submit: Callable[[Any], Future], records: list, concurrency: int
         c.start()
     for c in clients:
         c.join()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, latencies
