@@ -21,57 +21,22 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.heap import add_heap_argument, prepare_heap
-from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
 from benchmarks.systemone import percentile
-from benchmarks.workload import timed_closed_loop
-from clefserve.config import DTYPES, EngineConfig
-from clefserve.engine import Engine
-from clefserve.engine.openmp import release_thread_team
-from clefserve.model.backbone import Backbone
-from clefserve.model.weights import load_backbone
-
-
-def engine_for(model: Backbone, args: argparse.Namespace) -> Engine:
-    config = EngineConfig(dtype=args.dtype, max_num_seqs=args.concurrency,
-                          prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=512, max_queue=4096,
-                          prefix_cache=False, audit_fraction=0.0, cpu_lanes=args.cpu_lanes)
-    engine = Engine(model, config, lambda finished: [None] * len(finished))
-    engine.submit(torch.zeros(64, dtype=torch.long)).result()  # warm-up
-    return engine
+from benchmarks.workload import add_engine_round_arguments, round_backbone, round_engine, timed_closed_loop
 
 
 def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--shape", default="clef256", choices=sorted(SHAPES))
-    parser.add_argument("--dtype", default="f32", choices=sorted(DTYPES))
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--records", type=int, default=16, help="records per round (half short)")
-    parser.add_argument("--short", type=int, default=364, help="tokens of a short record (the ~400-token "
-                        "requests of benchmarks.systemone have 364 with Qwen3.5's tokenizer)")
-    parser.add_argument("--long", type=int, default=3000)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--prefill-chunk-size", type=int, default=1024)
+    add_engine_round_arguments(parser, short=364)  # the ~400-token requests of benchmarks.systemone
     parser.add_argument("--cpu-lanes", type=int, default=2, choices=(1, 2))
     parser.add_argument("--encode-ms", type=float, default=3.0)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    add_tokenizer_argument(parser)
-    add_heap_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    heap = prepare_heap(args.heap)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_shape(args.shape, Path(tmp) / "release", tokenizer=args.tokenizer)
-        model = load_backbone(folder, dtype=DTYPES[args.dtype])
-    release_thread_team()  # as the server's loading thread does: only the engine's teams remain
+    model, heap = round_backbone(args)
     gen, rng = torch.Generator().manual_seed(1), random.Random(0)
 
     def encode(record: torch.Tensor) -> None:
@@ -85,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [args.short, args.long] * (args.records // 2)
         rng.shuffle(sizes)
         records = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in sizes]
-        engine = engine_for(model, args)
+        engine = round_engine(model, args, args.cpu_lanes)
         try:
             wall, latencies = timed_closed_loop(engine.submit, records, args.concurrency, encode)
             for record in records[:2]:
@@ -103,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {i + 1}: {wall:.2f} s, the opening burst's last short record after {last:.3f} s")
 
     def line(name: str, values: list[float]) -> str:
+        if not values:
+            return f"{name}: none"
         return (f"{name}: p50 {percentile(values, 0.5):.3f} s, p95 {percentile(values, 0.95):.3f} s "
                 f"({len(values)} records)")
 

@@ -1,17 +1,29 @@
-"""The benchmark workload: System One requests whose records have a given token count, and a closed loop of
-clients that keeps an engine busy with records."""
+"""The benchmark workload: System One requests whose records have a given token count, a closed loop of
+clients that keeps an engine busy with records, and the rounds of engine benchmarks built on it."""
 
 from __future__ import annotations
 
+import argparse
 import random
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from benchmarks.heap import add_heap_argument, prepare_heap
+from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
+from clefserve.config import DTYPES, EngineConfig
+from clefserve.engine import Engine
+from clefserve.engine.openmp import release_thread_team
 from clefserve.formats.clef.encoder import ClefEncoder
+from clefserve.model.backbone import Backbone
+from clefserve.model.weights import load_backbone
 from clefserve.testing.tokenizer import WORDS
 
 
@@ -78,3 +90,41 @@ def timed_closed_loop(submit: Callable[[Any], Future], records: list, concurrenc
     for c in clients:
         c.join()
     return time.perf_counter() - started, latencies
+
+
+def add_engine_round_arguments(parser: argparse.ArgumentParser, short: int = 400) -> None:
+    """The options of a benchmark that sends rounds of fresh mixed records straight to an engine
+    (``benchmarks.lanes``, ``benchmarks.short_latency``)."""
+    parser.add_argument("--shape", default="clef256", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="f32", choices=sorted(DTYPES))
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--records", type=int, default=16, help="records per round (half short)")
+    parser.add_argument("--short", type=int, default=short)
+    parser.add_argument("--long", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prefill-chunk-size", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_tokenizer_argument(parser)
+    add_heap_argument(parser)
+
+
+def round_backbone(args: argparse.Namespace) -> tuple[Backbone, str]:
+    """The options' threads and heap for this process, and the shape's backbone built in a temporary
+    folder; returns it and the heap's description."""
+    torch.set_num_threads(args.threads)
+    heap = prepare_heap(args.heap)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_shape(args.shape, Path(tmp) / "release", tokenizer=args.tokenizer)
+        model = load_backbone(folder, dtype=DTYPES[args.dtype])
+    release_thread_team()  # as the server's loading thread does: only the engines' teams remain
+    return model, heap
+
+
+def round_engine(model: Backbone, args: argparse.Namespace, cpu_lanes: int) -> Engine:
+    """An engine for one round (no head, no prefix cache, no audit), warmed up."""
+    config = EngineConfig(dtype=args.dtype, max_num_seqs=args.concurrency,
+                          prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=512, max_queue=4096,
+                          prefix_cache=False, audit_fraction=0.0, cpu_lanes=cpu_lanes)
+    engine = Engine(model, config, lambda finished: [None] * len(finished))
+    engine.submit(torch.zeros(64, dtype=torch.long)).result()
+    return engine

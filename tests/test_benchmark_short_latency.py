@@ -1,10 +1,14 @@
 """benchmarks.systemone's short-record latency report on made-up runs: which records count as short, which
 belong to the opening burst (the first ``concurrency`` requests, in request order), and the burst floor it
-measures for the largest burst."""
+measures for the largest burst; and the closed loop of benchmarks.short_latency."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 from benchmarks.systemone import Run, report_short_latency
+from benchmarks.workload import timed_closed_loop
 
 SHORT, LONG = 681, 3000
 
@@ -45,3 +49,24 @@ def test_no_floor_when_no_burst_held_two_short_records(capsys):
     assert "opening burst (up to 1 short) p95 0.30s (3.00x)" in out
     assert "sent later p95 0.20s (2.00x)" in out
     assert "floor" not in out
+
+
+def test_timed_closed_loop_sends_in_order_and_times_each_record():
+    """benchmarks.workload.timed_closed_loop (benchmarks.short_latency's loop): records go out in list
+    order, the first ``concurrency`` together, and each latency is its own record's, preparation included."""
+    sent: list[float] = []
+    lock = threading.Lock()
+
+    def submit(seconds: float) -> Future:
+        with lock:
+            sent.append(seconds)
+        done: Future = Future()
+        threading.Timer(seconds, done.set_result, args=(None,)).start()
+        return done
+
+    records = [0.20, 0.05, 0.05, 0.05, 0.05]
+    prepared = []
+    wall, latencies = timed_closed_loop(submit, records, 2, prepare=prepared.append)
+    assert sent[:2] == [0.20, 0.05] and sorted(prepared) == sorted(records)
+    assert all(t >= r for t, r in zip(latencies, records, strict=True))  # each its own record's wait
+    assert wall >= max(0.20, 4 * 0.05)  # client one waits on record 0 while client two answers 1, 2, 3, 4
