@@ -1,6 +1,6 @@
 """bf16/f16 projection weights held in fp32 where this CPU computes such projections in fp32
-(:mod:`clefserve.model.ops.gemm`), the backbone's layers' and the vision tower's: the same bits as widening
-them per call, and the memory they take accounted for."""
+(:mod:`clefserve.model.ops.gemm`): the same bits as widening them per call, and the memory they take
+accounted for."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from clefserve.model import weights
 from clefserve.model.layers import Linear
 from clefserve.model.ops import gemm
 from clefserve.model.weights import load_backbone
-from clefserve.testing.release import ReleaseSpec, VisionSpec
-from clefserve.vision.tower import PatchProjection
-from clefserve.vision.weights import load_vision_tower
+from clefserve.testing.release import ReleaseSpec
 
 
 @pytest.fixture
@@ -75,38 +73,3 @@ def test_weights_widen_by_default_only_where_the_cpu_computes_the_dtype_in_fp32(
     model = load_backbone(bf16_release, dtype)
     want = torch.float32 if widened or dtype == torch.float32 else dtype
     assert {w.dtype for w in _projections(model).values()} == {want}
-
-
-@pytest.fixture
-def bf16_vision_release(make_release):
-    return make_release(ReleaseSpec(head=None, vision=VisionSpec()), seed=6, dtype=torch.bfloat16)
-
-
-def _tower_projections(tower) -> dict[str, torch.Tensor]:
-    return {name: m.weight for name, m in tower.named_modules() if isinstance(m, (Linear, PatchProjection))}
-
-
-def test_the_vision_towers_fp32_copies_give_the_same_bits(bf16_vision_release):
-    per_call = load_vision_tower(bf16_vision_release, torch.bfloat16, widen=False)
-    held = load_vision_tower(bf16_vision_release, torch.bfloat16, widen=True)
-    narrow, wide = _tower_projections(per_call), _tower_projections(held)
-    assert len(wide) == 1 + 4 * held.config.depth + 2  # patch embedding, 4 a block, the merger's 2
-    for name, weight in wide.items():
-        assert weight.dtype == torch.float32 and narrow[name].dtype == torch.bfloat16
-        assert torch.equal(weight, narrow[name].float()), name
-    assert held.dtype == torch.bfloat16 and held.merger.linear_fc2.bias.dtype == torch.bfloat16
-
-    config, grid = held.config, (1, 8, 12)
-    pixels = torch.randn(96, config.patch_values, generator=torch.Generator().manual_seed(2))
-    expected, got = per_call.encode(pixels, grid), held.encode(pixels, grid)
-    assert got.dtype == torch.bfloat16
-    assert torch.equal(got, expected)
-
-
-@pytest.mark.parametrize(("native", "widened"), [(False, True), (True, False)])
-def test_the_vision_tower_widens_by_default_only_where_the_cpu_computes_bf16_in_fp32(
-        bf16_vision_release, monkeypatch, native, widened):
-    monkeypatch.setattr(gemm, "native_low_precision", lambda d: native)
-    tower = load_vision_tower(bf16_vision_release, torch.bfloat16)
-    want = torch.float32 if widened else torch.bfloat16
-    assert {w.dtype for w in _tower_projections(tower).values()} == {want}

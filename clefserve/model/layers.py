@@ -67,15 +67,15 @@ class Embedding(nn.Embedding):
 
 
 class Linear(nn.Linear):
-    """A projection (bias-free unless asked) through :func:`clefserve.model.ops.gemm.linear`: a row's
-    result does not depend on how many rows share the call, and low-precision weights compute in fp32 on
-    CPUs without fast low-precision GEMMs."""
+    """A bias-free projection through :func:`clefserve.model.ops.gemm.linear`: a row's result does not
+    depend on how many rows share the call, and low-precision weights compute in fp32 on CPUs without fast
+    low-precision GEMMs."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(x, self.weight, self.bias)
+        return gemm.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from clefserve.errors import ReleaseError, StartupError
 from clefserve.model.backbone import Backbone
@@ -182,30 +181,24 @@ def load_backbone(
         model = Backbone(config, ops)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
-    widen_projections([m for m in model.layers.modules() if isinstance(m, Linear)], "the layers'", widen)
+    if widen is None:
+        widen = gemm.compute_dtype(device, dtype) != dtype
+    if widen and device.type == "cpu" and dtype in gemm.LOW_PRECISION:
+        _widen_projections(model)
     held = {p.data_ptr() for p in model.parameters()}
     model.file_mapped_bytes = sum(size for pointer, size in mapped.items() if pointer in held)
     return model.eval()
 
 
-def widen_projections(projections: list[nn.Module], whose: str, widen: bool | None = None) -> bool:
-    """fp32 copies of these low-precision CPU projection weights (:func:`~clefserve.model.ops.gemm.
-    widen_weights`) when ``widen`` (None: where this machine computes their dtype's projections in fp32)
-    and they take at most ``WIDEN_SHARE`` of the memory still free; else each call widens its weight.
-    ``whose`` names them in the log ("the layers'"). True when the copies were made."""
-    if not projections:
-        return False
-    dtype, device = projections[0].weight.dtype, projections[0].weight.device
-    if widen is None:
-        widen = gemm.compute_dtype(device, dtype) != dtype
-    if not (widen and device.type == "cpu" and dtype in gemm.LOW_PRECISION):
-        return False
-    need, free = gemm.widened_bytes(projections), available_memory(device)
+def _widen_projections(model: Backbone) -> None:
+    """fp32 copies of the layers' projection weights (:func:`clefserve.model.ops.gemm.widen_weights`) when
+    they take at most ``WIDEN_SHARE`` of the memory still free; else each call widens its weight."""
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    need, free = gemm.widened_bytes(projections), available_memory(model.device)
     if need > gemm.WIDEN_SHARE * free:
-        log.info("%s projection weights stay %s: fp32 copies would take %.1f MiB of %.2f GiB free; each "
-                 "projection widens its weight per call", whose, dtype, need / MIB, free / GIB)
-        return False
+        log.info("projection weights stay %s: fp32 copies would take %.1f MiB of %.2f GiB free; each "
+                 "projection widens its weight per call", model.dtype, need / MIB, free / GIB)
+        return
     gemm.widen_weights(projections)
-    log.info("%s projection weights held as fp32 copies for this CPU's fp32 arithmetic: %.1f MiB (%.2f GiB "
-             "was free)", whose, need / MIB, free / GIB)
-    return True
+    log.info("projection weights held as fp32 copies for this CPU's fp32 arithmetic: %.1f MiB (%.2f GiB was "
+             "free)", need / MIB, free / GIB)

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clefserve.model.layers import Embedding, Linear
-from clefserve.model.ops import gemm
+from clefserve.model.layers import Embedding
 from clefserve.vision.config import VisionConfig
 
 LAYER_NORM_EPS = 1e-6
@@ -42,8 +41,7 @@ class PatchProjection(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.weight.reshape(self.weight.shape[0], -1)
-        # the bias has the tower's dtype; the weight may be an fp32 copy (clefserve.model.ops.gemm)
-        return gemm.linear(pixels.to(self.bias.dtype), weight, self.bias)
+        return F.linear(pixels.to(weight.dtype), weight, self.bias)
 
 
 class PatchEmbed(nn.Module):
@@ -58,8 +56,8 @@ class PatchEmbed(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,8 +77,8 @@ class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.heads, self.head_dim = config.num_heads, config.head_dim
-        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
         self, x: torch.Tensor, frames: list[int], cos: torch.Tensor, sin: torch.Tensor
@@ -121,8 +119,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         merged = config.hidden_size * config.spatial_merge_size**2
         self.norm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
-        self.linear_fc1 = Linear(merged, merged, bias=True)
-        self.linear_fc2 = Linear(merged, config.out_hidden_size, bias=True)
+        self.linear_fc1 = nn.Linear(merged, merged)
+        self.linear_fc2 = nn.Linear(merged, config.out_hidden_size)
         self.merged = merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

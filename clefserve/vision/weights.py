@@ -15,10 +15,9 @@ import torch
 
 from clefserve.errors import ReleaseError
 from clefserve.model.config import BackboneConfig
-from clefserve.model.layers import Linear
-from clefserve.model.weights import read_tensors, weight_files, widen_projections
+from clefserve.model.weights import read_tensors, weight_files
 from clefserve.vision.config import VisionConfig
-from clefserve.vision.tower import PatchProjection, VisionTower
+from clefserve.vision.tower import VisionTower
 
 PREFIXES = ("model.visual.", "visual.")
 
@@ -42,11 +41,8 @@ def load_vision_tower(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    widen: bool | None = None,
 ) -> VisionTower | None:
-    """The release's vision tower, or None when the release has none. ``widen``: hold its projection
-    weights in fp32 when they fit (None: where this machine computes ``dtype`` projections in fp32, as
-    :func:`clefserve.model.weights.load_backbone` does for the layers)."""
+    """The release's vision tower, or None when the release has none."""
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
     if not raw.get("vision_config"):
@@ -74,8 +70,6 @@ def load_vision_tower(
         tower = VisionTower(config)
     tower.load_state_dict(state, strict=True, assign=True)
     tower.requires_grad_(False)
-    projections = [m for m in tower.modules() if isinstance(m, (Linear, PatchProjection))]
-    widen_projections(projections, "the vision tower's", widen)
     return tower.eval()
 
 

@@ -94,18 +94,14 @@ def widen_weights(modules: list[nn.Module]) -> None:
         module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., in] @ weight[out, in]^T (+ bias)``, padded and upcast as the module docstring says; the
-    result has ``x``'s dtype (upcast, the bias is added in fp32 before the one rounding, as a native
-    low-precision GEMM adds it)."""
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ weight[out, in]^T`` without bias, padded and upcast as the module docstring says; the
+    result has ``x``'s dtype."""
     on_cpu = x.device.type == "cpu"
     upcast = on_cpu and (x.dtype != weight.dtype or compute_dtype(x.device, weight.dtype) != weight.dtype)
     rows = x.shape[0]
     pad = on_cpu and x.dim() == 2 and rows < MIN_ROWS
     if pad:
         x = torch.cat((x, x.new_zeros(MIN_ROWS - rows, x.shape[1])))
-    if upcast:
-        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    else:
-        out = F.linear(x, weight, bias)
+    out = F.linear(x.float(), weight.float()).to(x.dtype) if upcast else F.linear(x, weight)
     return out[:rows] if pad else out
