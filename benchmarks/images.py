@@ -30,6 +30,7 @@ from PIL import Image
 
 from benchmarks.heap import add_heap_argument, prepare_heap
 from clefserve.config import DTYPES
+from clefserve.model.ops import gemm
 from clefserve.testing.release import build_release, clef_shaped_spec
 from clefserve.testing.server_process import ServerProcess
 from clefserve.vision.decode import decode_image
@@ -64,10 +65,12 @@ def request(count: int, size: tuple[int, int], seed: int) -> dict:
 def tower_rate(
     folder: Path, dtype: torch.dtype, size: tuple[int, int], repeats: int
 ) -> tuple[float, float, int]:
-    """Pictures per second through our tower and transformers' (same weights, same patches)."""
+    """Pictures per second through our tower and transformers' (same weights, same patches). Ours is loaded
+    as the server loads it: in the dtype this CPU computes ``dtype``'s projections in (fp32 for bf16 on a CPU
+    without bf16 instructions, :func:`clefserve.model.ops.gemm.compute_dtype`)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    ours = load_vision_tower(folder, dtype)
+    ours = load_vision_tower(folder, gemm.compute_dtype(torch.device("cpu"), dtype))
     assert ours is not None
     theirs = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).model.visual.eval()
     preprocessor = PreprocessorConfig.from_folder(folder)
