@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from clefserve.model import weights
 from clefserve.model.layers import Linear
@@ -73,3 +74,26 @@ def test_weights_widen_by_default_only_where_the_cpu_computes_the_dtype_in_fp32(
     model = load_backbone(bf16_release, dtype)
     want = torch.float32 if widened or dtype == torch.float32 else dtype
     assert {w.dtype for w in _projections(model).values()} == {want}
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_the_mlp_rounds_once_where_projections_compute_in_fp32(bf16_release, widen):
+    """On the fp32 path the SwiGLU block computes in fp32 from its input to its output and rounds once (a
+    rounding of gate, up or their product is a pass over memory there); with fast bf16 GEMMs it stays bf16."""
+    model = load_backbone(bf16_release, torch.bfloat16, widen=widen)
+    mlp = model.layers[0].mlp
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.inference_mode():
+        got = mlp(x)
+    with torch.enable_grad():
+        graded = mlp(x).detach()
+    gate, up, down = (m.weight.float() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    wide = x.float()
+    fp32_inside = F.linear(F.silu(F.linear(wide, gate)) * F.linear(wide, up), down).bfloat16()
+    product = F.silu(F.linear(wide, gate).bfloat16()) * F.linear(wide, up).bfloat16()
+    rounded = F.linear(product.float(), down).bfloat16()  # every intermediate rounded, as bf16 GEMMs do
+    assert not torch.equal(fp32_inside, rounded)  # the two numerics are told apart on these inputs
+    want = fp32_inside if gemm.upcasts(x, mlp.gate_proj.weight) else mlp.down_proj(
+        F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(graded, want)

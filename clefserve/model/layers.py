@@ -103,7 +103,9 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward. Where projections compute in fp32 on widened operands
+    (:func:`clefserve.model.ops.gemm.upcasts`), the whole block does, rounding once at its output: the
+    intermediate roundings would each be a pass over the layer's widest activations (see that module)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -112,9 +114,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inside = x.float() if gemm.upcasts(x, self.gate_proj.weight) else x
         if torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+            hidden = F.silu(self.gate_proj(inside)) * self.up_proj(inside)
+        else:
+            hidden = F.silu(self.gate_proj(inside), inplace=True).mul_(self.up_proj(inside))
+        return self.down_proj(hidden).to(x.dtype)
 
 
 class GatedAttention(nn.Module):

@@ -13,6 +13,11 @@ Two CPU facts shape this:
   Widening a weight on every call costs 5-40% of the projection (most for few rows and wide weights), so
   the loader keeps fp32 copies of the layers' projection weights when they fit (:func:`widen_weights`);
   the products are the same bits either way.
+- On that fp32 path a rounding to the model dtype is a pass over memory of its own, and SwiGLU's gate and up
+  outputs are the widest activations of a layer. The MLP therefore computes in fp32 from its widened input to
+  its output and rounds once (:func:`upcasts`; ``clefserve.model.layers.MLP``), as a fused SwiGLU kernel
+  would. That skips four roundings the reference makes (gate, up, SiLU, product): the answers move by about
+  the reference's own bf16 rounding noise, and towards the fp32 model's, not away from it.
 """
 
 from __future__ import annotations
@@ -94,11 +99,18 @@ def widen_weights(modules: list[nn.Module]) -> None:
         module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
 
 
+def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` computes ``x @ weight^T`` in fp32 on widened operands and rounds the result to
+    ``x``'s dtype: a CPU without fast GEMMs for the weights' dtype, or held fp32 copies of them."""
+    return x.device.type == "cpu" and (
+        x.dtype != weight.dtype or compute_dtype(x.device, weight.dtype) != weight.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ weight[out, in]^T`` without bias, padded and upcast as the module docstring says; the
     result has ``x``'s dtype."""
     on_cpu = x.device.type == "cpu"
-    upcast = on_cpu and (x.dtype != weight.dtype or compute_dtype(x.device, weight.dtype) != weight.dtype)
+    upcast = upcasts(x, weight)
     rows = x.shape[0]
     pad = on_cpu and x.dim() == 2 and rows < MIN_ROWS
     if pad:
