@@ -374,6 +374,8 @@ def gated_delta_rule_varlen_keeping(
         if inside is not None:
             kept.append(inside)
         start = end
+    if len(outs) == 1:  # one sequence (a long record's piece): its rows as they are, not a copy
+        return outs[0], finals[0][None], kept
     return torch.cat(outs), torch.stack(finals), kept
 
 
