@@ -14,7 +14,9 @@ For each dtype it prints:
   the mixed run against their p95 alone, split into the opening burst and the records sent later, and the
   floor of that burst (as many short records sent together with nothing else);
 - the long-record prefill of our backbone as a share of this machine's measured matmul peak, in the
-  arithmetic this CPU computes the dtype's projections in (fp32 for bf16 on a CPU without bf16 instructions).
+  arithmetic this CPU computes the dtype's projections in (fp32 for bf16 on a CPU without bf16 instructions):
+  ``--prefill-rounds`` rounds, each prefill followed at once by its own peak measurement, and the median of
+  the rounds' shares (a share of a peak measured minutes apart would mostly measure the host's phases).
 
 Three questions per record (noul, choice, score) on a random Clef-shaped release (``benchmarks.shapes``).
 The reference runs in this process with the heap thresholds our server sets (``--heap``,
@@ -30,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -159,37 +162,54 @@ def run_server(url: str, requests: list[dict], concurrency: int) -> Run:
     return Run(wall, [r[0] for r in results], [r[1] for r in results])
 
 
+@dataclass(frozen=True)
+class PrefillShare:
+    """The long-record prefill against the matmul peak measured beside it, round by round."""
+
+    achieved: list[float]  # FLOP/s of each round's prefill
+    peaks: list[float]  # FLOP/s of each round's peak matmuls, measured right after that prefill
+    arithmetic: torch.dtype  # the dtype of the peak: what this CPU computes the projections in
+
+    @property
+    def shares(self) -> list[float]:
+        return [a / p for a, p in zip(self.achieved, self.peaks, strict=True)]
+
+
 def long_prefill_utilisation(
-        folder: Path, dtype: torch.dtype, tokens: int) -> tuple[float, float, torch.dtype]:
-    """Our backbone (serving ops) on one ``tokens``-long record in engine-sized pieces: FLOP/s, share of the
-    matmul peak, and the dtype of that peak: the one this CPU computes ``dtype``'s projections in
-    (:func:`clefserve.model.ops.gemm.compute_dtype`). Timed on a thread of its own that flushes subnormals,
-    as the engine's does."""
+        folder: Path, dtype: torch.dtype, tokens: int, rounds: int = 5) -> PrefillShare:
+    """Our backbone (serving ops) on one ``tokens``-long record in engine-sized pieces against the matmul
+    peak, ``rounds`` times, each prefill followed at once by the peak's matmuls in the dtype this CPU computes
+    ``dtype``'s projections in (:func:`clefserve.model.ops.gemm.compute_dtype`). Each round's share is of the
+    peak measured in the same phase of the host, whose speed moves by up to 2x between minutes. Timed on a
+    thread of its own that flushes subnormals, as the engine's does."""
     model = load_backbone(folder, dtype=dtype)
     model.set_ops(select_ops(model.device, dtype))
     ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    arithmetic = gemm.compute_dtype(model.device, dtype)
+    sizes = (1024, 2048, 3072) if arithmetic == torch.float32 else (1024, 2048)
+    flops = prefill_flops(model.config, tokens)
 
     def run() -> None:
         state = None
         for start in range(0, tokens, 1024):
             _, state = model.run_sequence(ids[start : start + 1024], state)
 
-    def best_of_three() -> float:
+    def measure() -> PrefillShare:
         flush_subnormals_here()
         try:
             with torch.inference_mode():
                 run()
-                return min(_timed(run) for _ in range(3))
+                achieved, peaks = [], []
+                for _ in range(rounds):
+                    achieved.append(flops / _timed(run))
+                    peaks.append(matmul_peak(arithmetic, sizes, trials=1))
+                return PrefillShare(achieved, peaks, arithmetic)
         finally:
             release_thread_team()
 
     release_thread_team()  # this thread's idle team would throttle the timed one's (clefserve.engine.openmp)
     with ThreadPoolExecutor(1) as thread:
-        best = thread.submit(best_of_three).result()
-    achieved = prefill_flops(model.config, tokens) / best
-    arithmetic = gemm.compute_dtype(model.device, dtype)
-    sizes = (1024, 2048, 3072) if arithmetic == torch.float32 else (1024, 2048)
-    return achieved, achieved / matmul_peak(arithmetic, sizes), arithmetic
+        return thread.submit(measure).result()
 
 
 def _timed(fn) -> float:
@@ -217,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
                              "slows both sides alike); the figures add the rounds up")
     parser.add_argument("--server-args", default="--max-num-seqs 8 --prefill-chunk-size 1024",
                         help="extra clef-serve flags")
+    parser.add_argument("--prefill-rounds", type=int, default=5,
+                        help="rounds of the long-record prefill, each beside its own peak measurement")
     add_heap_argument(parser)
     add_tokenizer_argument(parser)
     args = parser.parse_args(argv)
@@ -274,12 +296,15 @@ def main(argv: list[str] | None = None) -> None:
                             [runs[i] for _, runs in rounds], alone_short, concurrency,
                             lambda k: run_server(server.url, fresh([args.short] * k), k), args.repeat)
             del reference
-            achieved, share, arithmetic = long_prefill_utilisation(folder, dtype, args.long)
-            peak_name = next(key for key, value in DTYPES.items() if value == arithmetic)
-            computed_in = "" if arithmetic == dtype else f", what this CPU runs {name} projections in"
-            print(f"  long-record prefill ({args.long} tokens): {achieved / 1e9:.1f} GFLOP/s = "
-                  f"{100 * share:.0f}% of the measured {peak_name} matmul peak "
-                  f"({achieved / share / 1e9:.1f} GFLOP/s{computed_in})")
+            prefill = long_prefill_utilisation(folder, dtype, args.long, args.prefill_rounds)
+            peak_name = next(key for key, value in DTYPES.items() if value == prefill.arithmetic)
+            computed_in = "" if prefill.arithmetic == dtype else f", what this CPU runs {name} projections in"
+            shares = prefill.shares
+            print(f"  long-record prefill ({args.long} tokens): "
+                  f"{statistics.median(prefill.achieved) / 1e9:.1f} GFLOP/s = "
+                  f"{100 * statistics.median(shares):.0f}% of the {peak_name} matmul peak measured beside it "
+                  f"({statistics.median(prefill.peaks) / 1e9:.1f} GFLOP/s{computed_in}); medians of "
+                  f"{len(shares)} rounds, shares {100 * min(shares):.0f}-{100 * max(shares):.0f}%")
 
 
 if __name__ == "__main__":
