@@ -305,7 +305,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         dest="layer_preemption",
         action="store_false",
         help="let a step of long records run to its end before short records that arrived during it; by "
-        "default it pauses at the next layer boundary, a step of those short records runs, and it resumes",
+        "default it pauses at the next layer boundary, a step of those short records runs, and it resumes "
+        "(with CPU lanes, a long step on the other lane also holds at its next boundary while it runs)",
     )
     engine.add_argument(
         "--cpu-lanes",

@@ -356,3 +356,86 @@ def test_idle_work_never_runs_beside_a_step(model):
         stats = engine.stats()
     assert work.pieces > 0 and stats["side_steps"] > 0
     assert active["overlaps"] == 0
+
+
+def _lane_of_this_thread() -> int:
+    name = threading.current_thread().name
+    return 0 if name == "engine" else int(name.rpartition("-")[2])
+
+
+@needs_two_threads
+def test_a_step_of_short_records_runs_on_every_thread_while_the_other_lanes_long_step_holds(model):
+    """Two long records run on the two lanes; a short record sent meanwhile runs in a step of its own, and the
+    other lane's long step holds at its next layer boundary until that step ends, so the short step widens to
+    every thread beside a long step still in flight. Every record's rows equal a one-piece run."""
+    gen = torch.Generator().manual_seed(8)
+    vocab = model.config.vocab_size
+    longs = [random_ids(vocab, 5 * BUDGET + 7, gen) for _ in range(2)]
+    short = random_ids(vocab, 20, gen)
+    engine = Engine(model, small_config(max_num_seqs=4, prefill_chunk_size=BUDGET), keep_hidden)
+    real_run = engine.runner.run
+    beside_long: list[bool] = []  # at each boundary of the short step: all threads, the other lane's step on
+
+    def run(chunks, between_layers=None):
+        short_step = any(seq.payload == "short" for seq, _ in chunks)
+
+        def hook():
+            if between_layers is not None:
+                between_layers()
+            if short_step:
+                other = engine.lanes[1 - _lane_of_this_thread()]
+                beside_long.append(torch.get_num_threads() == 2 and bool(other.in_flight))
+                time.sleep(0.02)  # long enough for the other lane to reach a layer boundary
+            else:
+                time.sleep(0.002)
+
+        return real_run(chunks, hook)
+
+    engine.runner.run = run
+    with engine:
+        first = engine.submit(longs[0], payload="long")
+        while not engine.lanes[0].in_flight:
+            time.sleep(0.001)
+        second = engine.submit(longs[1], payload="long")
+        deadline = time.monotonic() + 30
+        while not all(lane.in_flight for lane in engine.lanes) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        short_rows = engine.submit(short, payload="short").result(timeout=60)
+        rows = [first.result(timeout=60), second.result(timeout=60)]
+        stats = engine.stats()
+    assert any(beside_long), beside_long
+    assert stats["held_steps"] >= 1
+    for ids, got in zip([*longs, short], [*rows, short_rows], strict=True):
+        test_device.assert_close(got, model.run_sequence(ids)[0], TOLERANCE)
+    _pools_whole(stats)
+
+
+@needs_two_threads
+def test_a_stream_of_short_records_slows_a_long_record_without_starving_it(model):
+    """A held long step waits only for the steps of short records in flight when it reached its boundary:
+    with short records sent back to back from four clients, the long record still answers long before the
+    stream ends."""
+    gen = torch.Generator().manual_seed(9)
+    vocab = model.config.vocab_size
+    stream = [random_ids(vocab, 10, gen) for _ in range(400)]
+    answered = []
+    with Engine(model, small_config(max_num_seqs=6, prefill_chunk_size=BUDGET), lambda fs: [0] * len(fs)) \
+            as engine:
+        long = engine.submit(random_ids(vocab, 5 * BUDGET + 7, gen))
+        lock = threading.Lock()
+
+        def client(records):
+            for ids in records:
+                if long.done():
+                    return
+                engine.submit(ids).result(timeout=60)
+                with lock:
+                    answered.append(1)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(client, [stream[i::4] for i in range(4)]))
+        assert long.result(timeout=60) == 0
+        stats = engine.stats()
+    assert stats["held_steps"] >= 1
+    assert len(answered) < len(stream) // 2
+    _pools_whole(stats)

@@ -62,7 +62,14 @@ class Lane:
         self.index = index
         self.in_flight: set[Sequence] = set()
         self.seconds_in_inner_steps = 0.0  # its thread only: time in steps run inside paused ones
+        # steps of short records it started and ended (inner ones too), under the engine's lock: a long step
+        # on another lane holds at its next layer boundary until the ones in flight then have ended
+        self.short_steps_started = 0
+        self.short_steps_ended = 0
         self.thread: threading.Thread | None = None
+
+    def short_step_in_flight(self) -> bool:
+        return self.short_steps_ended < self.short_steps_started
 
 
 class Engine:
@@ -124,8 +131,8 @@ class Engine:
         self._share = ThreadShare(threads, self._wake) if len(self.lanes) > 1 else None
         self._trace: deque[tuple[tuple[int, int], ...]] = deque(maxlen=512)
         self._counts = dict.fromkeys(
-            ("steps", "multi_seq_steps", "paused_steps", "side_steps", "prefill_tokens", "finished",
-             "cancelled_waiting", "cancelled_running", "failed", "rejected"),
+            ("steps", "multi_seq_steps", "paused_steps", "held_steps", "side_steps", "prefill_tokens",
+             "finished", "cancelled_waiting", "cancelled_running", "failed", "rejected"),
             0,
         )
         if model.device.type == "cpu":
@@ -424,6 +431,7 @@ class Engine:
         self._run_plan(plan, lane)
         if not plan.chunks and not plan.finished and self.scheduler.has_work():
             with self._wake:  # nothing runnable (only cancelled sequences left); do not spin
+                self._rest(lane)  # nor hold threads a lane resuming a held step waits for
                 self._wake.wait(0.01)
 
     def _take(self, lane: Lane, plan: StepPlan) -> None:
@@ -441,8 +449,32 @@ class Engine:
 
     def _run_plan(self, plan: StepPlan, lane: Lane, inside_another: bool = False) -> None:
         """Set up the admitted sequences, answer the wholly cached ones, run the step. ``inside_another``:
-        it runs between two layers of a paused step, and is not paused itself."""
+        it runs between two layers of a paused step, and is not paused itself. While it runs a step of short
+        records, long steps on the other lanes hold at their next layer boundary
+        (:meth:`_hold_for_short_steps`)."""
+        if not self._runs_short_records(plan):
+            self._run_plan_body(plan, lane, inside_another, holds=True)
+            return
+        with self._wake:
+            lane.short_steps_started += 1
+        try:
+            self._run_plan_body(plan, lane, inside_another, holds=False)
+        finally:
+            with self._wake:
+                lane.short_steps_ended += 1
+                self._wake.notify_all()  # a long step held for it goes on
+
+    def _runs_short_records(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is a step of short records that the other lanes' long steps make way for."""
+        return (self._share is not None and self.config.layer_preemption
+                and any(self.scheduler.is_short(seq) for seq, _ in plan.chunks))
+
+    def _run_plan_body(self, plan: StepPlan, lane: Lane, inside_another: bool, holds: bool) -> None:
+        """``holds``: a step of long records, which starts only once the other lanes' steps of short records
+        in flight have ended."""
         if self._share is not None and not inside_another and (plan.chunks or plan.admitted):
+            if holds and plan.chunks and self.config.layer_preemption:
+                self._hold_for_short_steps(lane)
             self._share.apply(lane.index, wait=True)
         admitted_at = time.perf_counter()
         for seq in plan.admitted:
@@ -468,11 +500,35 @@ class Engine:
         index = lane.index
 
         def between_layers() -> None:
+            if pause is not None:
+                self._hold_for_short_steps(lane)
             share.apply(index)
             if pause is not None:
                 pause()
 
         return between_layers
+
+    def _hold_for_short_steps(self, lane: Lane) -> None:
+        """Between two layers of a long step on ``lane``: while steps of short records run on other lanes,
+        give them this lane's threads, and go on once those steps (not later ones) have ended. Short records
+        are a small share of the work, and beside a long step on half the threads each takes ~1.5x as long
+        as on all of them. A long step goes on by at least a layer per step of short records, so a stream of
+        them slows it without starving it."""
+        share = self._share
+        assert share is not None
+        with self._wake:
+            awaited = {other.index: other.short_steps_started for other in self.lanes
+                       if other is not lane and other.short_step_in_flight()}
+            if not awaited:
+                return
+            self._counts["held_steps"] += 1
+            if share.leave(lane.index):
+                release_thread_team()
+            while not self._closed and any(self.lanes[i].short_steps_ended < started
+                                           for i, started in awaited.items()):
+                self._wake.wait()
+            share.enter(lane.index)
+        share.apply(lane.index, wait=True)
 
     def _short_records_between_layers(self, plan: StepPlan, lane: Lane) -> Callable[[], None] | None:
         """For a step of long records only: a hook that, between two of its layers, runs a step of the short

@@ -12,7 +12,9 @@ How the threads move (:class:`ThreadShare`): a lane's share is every thread whil
 narrowed, which it does at its next layer boundary (or between two steps), so the cores are never
 oversubscribed: a parallel region one of whose threads is descheduled waits for it. A lane that narrows, or
 stops being busy, releases its OpenMP team: a team beyond the CPUs makes libgomp wake every parallel region's
-workers through the kernel (:mod:`clefserve.engine.openmp`).
+workers through the kernel (:mod:`clefserve.engine.openmp`). A lane whose long step holds for a step of short
+records on the other lane leaves the busy set for that time, so the short step widens to every thread
+(``Engine._hold_for_short_steps``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Names (all prefixed ``clef_``):
   cache, evictable) / ``_total``, ``clef_engine_gdn_slots_used`` / ``_total``,
   ``clef_engine_kv_pool_bytes``, ``clef_engine_gdn_pool_bytes``, ``clef_engine_tokens_per_second``,
   ``clef_engine_prefill_tokens_total``, ``clef_engine_steps_total``, ``clef_engine_paused_steps_total``,
-  ``clef_engine_side_steps_total``, ``clef_engine_sequences_total{outcome}``
+  ``clef_engine_held_steps_total``, ``clef_engine_side_steps_total``, ``clef_engine_sequences_total{outcome}``
   (finished, cancelled, failed, rejected); with the prefix cache on ``clef_engine_prefix_cache_bytes`` /
   ``_budget_bytes``, ``clef_engine_prefix_cache_hits_total``, ``_hit_tokens_total``, ``_evictions_total``;
   ``clef_model_ready`` (1 once the model serves); ``clef_nonfinite_outputs_total``: records refused because
@@ -159,6 +159,9 @@ class EngineCollector:
         yield CounterMetricFamily("clef_engine_paused_steps", "Steps of long records paused between two "
                                   "layers while a step of short records that arrived during them ran",
                                   value=s.get("paused_steps", 0))
+        yield CounterMetricFamily("clef_engine_held_steps", "Times a step of long records on one CPU lane "
+                                  "held, at a layer boundary or its start, while a step of short records ran "
+                                  "on the other", value=s.get("held_steps", 0))
         yield CounterMetricFamily("clef_engine_side_steps", "Steps run on the second CPU lane, beside a step "
                                   "of the first", value=s.get("side_steps", 0))
         if s.get("prefix_cache"):
