@@ -190,6 +190,36 @@ def test_a_short_record_arriving_during_a_long_step_answers_before_that_step_end
         test_device.assert_close(rows, model.run_sequence(ids)[0], TOLERANCE)
 
 
+def test_a_long_step_also_pauses_between_a_layers_token_mixer_and_its_mlp(model):
+    """A short record that arrives during a layer's token mixer runs at the boundary before that layer's MLP,
+    not after the whole layer: on a large model one layer of a long step takes a second on a CPU."""
+    long_ids = random_ids(model.config.vocab_size, LONG, torch.Generator().manual_seed(1))
+    short_ids = random_ids(model.config.vocab_size, SHORT, torch.Generator().manual_seed(2))
+    layer = model.layers[1]
+    mixer = layer.linear_attn if layer.kind == "linear_attention" else layer.self_attn
+    box: list = []
+    arrival = ArrivalDuringLayer(box, BUDGET, [short_ids])
+    answered_before_the_mlp: list[bool] = []
+
+    def mlp_ran(module, args, output):
+        if output.shape[0] == BUDGET and arrival.fired.is_set() and not answered_before_the_mlp:
+            answered_before_the_mlp.append(arrival.futures[0].done())
+
+    handles = [mixer.register_forward_hook(arrival), layer.mlp.register_forward_hook(mlp_ran)]
+    try:
+        engine = Engine(model, small_config(cpu_lanes=1, prefill_chunk_size=BUDGET), keep_hidden)
+        box.append(engine)
+        with engine:
+            long_rows = engine.submit(long_ids).result(timeout=60)
+            short_rows = arrival.futures[0].result(timeout=60)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert answered_before_the_mlp == [True]
+    for ids, rows in ((long_ids, long_rows), (short_ids, short_rows)):
+        test_device.assert_close(rows, model.run_sequence(ids)[0], TOLERANCE)
+
+
 def test_pausing_changes_when_a_step_runs_not_what_it_computes(model):
     """The paused record's rows are, to the bit, those of the same record served alone (the same pieces);
     without pausing, the short record waits for the long step and then shares the next one with it."""

@@ -449,7 +449,7 @@ class Engine:
 
     def _run_plan(self, plan: StepPlan, lane: Lane, inside_another: bool = False) -> None:
         """Set up the admitted sequences, answer the wholly cached ones, run the step. ``inside_another``:
-        it runs between two layers of a paused step, and is not paused itself. While it runs a step of short
+        it runs at a layer boundary of a paused step, and is not paused itself. While it runs a step of short
         records, long steps on the other lanes hold at their next layer boundary
         (:meth:`_hold_for_short_steps`)."""
         if not self._runs_short_records(plan):
@@ -491,8 +491,9 @@ class Engine:
             self._step(plan, lane, self._between_layers(plan, lane, inside_another))
 
     def _between_layers(self, plan: StepPlan, lane: Lane, inside_another: bool) -> Callable[[], None] | None:
-        """The hook a step calls between two of its layers: the lane takes its thread share there, and a step
-        of long records pauses for short ones (:meth:`_short_records_between_layers`)."""
+        """The hook a step calls at its layer boundaries (between a layer's token mixer and its MLP, and
+        between two layers): the lane takes its thread share there, and a step of long records pauses for
+        short ones (:meth:`_short_records_between_layers`)."""
         pause = None if inside_another else self._short_records_between_layers(plan, lane)
         share = self._share
         if share is None:
@@ -531,10 +532,10 @@ class Engine:
         share.apply(lane.index, wait=True)
 
     def _short_records_between_layers(self, plan: StepPlan, lane: Lane) -> Callable[[], None] | None:
-        """For a step of long records only: a hook that, between two of its layers, runs a step of the short
-        records that arrived meanwhile (:meth:`Scheduler.schedule_short`), so they wait for a layer rather
-        than the whole step (on a CPU a 1,024-token step of a large model takes seconds). The paused step
-        loses nothing: its sequences' state is theirs alone, and it resumes where it stopped."""
+        """For a step of long records only: a hook that, at a layer boundary, runs a step of the short
+        records that arrived meanwhile (:meth:`Scheduler.schedule_short`), so they wait for a token mixer or
+        an MLP rather than the whole step (on a CPU a 1,024-token step of a large model takes seconds). The
+        paused step loses nothing: its sequences' state is theirs alone, and it resumes where it stopped."""
         if not self.config.layer_preemption or any(self.scheduler.is_short(seq) for seq, _ in plan.chunks):
             return None  # a step with a short record in it is short itself; it answers that record
 

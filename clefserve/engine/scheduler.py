@@ -13,7 +13,7 @@
   none starves.
 - Where the engine pauses steps of long records for short ones (``pauses_long_steps``): a short record
   has at most half a budget left, long records get none of a short record's steps, and inside a paused
-  step (between two of its layers) :meth:`Scheduler.schedule_short` plans a step of short records only,
+  step (at a layer boundary) :meth:`Scheduler.schedule_short` plans a step of short records only,
   none of the paused ones.
 - With a prefix cache: a sequence is admitted from its deepest cached resume point (sharing the cached
   blocks; cache-only blocks count as room, evicted when needed). A snapshot point that falls inside a
@@ -76,7 +76,7 @@ class Scheduler:
         cache: PrefixCache | None = None,
         pauses_long_steps: bool = False,
     ) -> None:
-        """``pauses_long_steps``: the engine pauses steps of long records between two layers for a step of
+        """``pauses_long_steps``: the engine pauses steps of long records at a layer boundary for a step of
         short ones (:meth:`schedule_short`)."""
         if token_budget < 1:
             raise ValueError("--prefill-chunk-size must be at least 1")
@@ -185,7 +185,7 @@ class Scheduler:
                                         for seq in self.running)
 
     def schedule_short(self, busy: Collection[Sequence]) -> StepPlan:
-        """A step run inside a paused one (between two of its layers): admission as usual, then only short
+        """A step run inside a paused one (at a layer boundary): admission as usual, then only short
         records, shortest first, none of ``busy`` (the steps in flight: the paused one's, mid-step, their
         state half advanced, and another lane's). Nobody else's place in line changes: sequences left out
         are not counted as passed over."""

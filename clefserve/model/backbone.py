@@ -65,8 +65,9 @@ class Backbone(nn.Module):
 
         The caller's ``cache`` supplies and receives each sequence's state (see ``clefserve.model.cache``);
         ``embeds`` replace the embeddings of some rows (pictures), ``batch.mrope`` gives their positions.
-        ``between_layers`` is called after each layer but the last (the engine runs short records there); it
-        may run other forwards, on other sequences' state.
+        ``between_layers`` is called at every boundary inside the step: after each layer's token mixer and
+        after each layer but the last (the engine runs short records there); it may run other forwards, on
+        other sequences' state.
         """
         x = self.embed_tokens(input_ids)
         for row, values in embeds or ():
@@ -74,7 +75,7 @@ class Backbone(nn.Module):
         rope = self._rope(batch, input_ids.device, x.dtype)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, rope, cache)
+            x = layer(x, batch, rope, cache, between_layers)
             if between_layers is not None and i < last:
                 between_layers()
         return self.norm(x)

@@ -7,6 +7,7 @@ runs over all rows at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -285,15 +286,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
-        self, x: torch.Tensor, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor], cache: ForwardCache
+        self,
+        x: torch.Tensor,
+        batch: Batch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: ForwardCache,
+        boundary: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        """``boundary``: called between the token mixer and the MLP (see ``Backbone.forward``)."""
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
             h = self.linear_attn(h, batch, cache)
         else:
             h = self.self_attn(h, batch, rope, cache)
+        x = x + h if torch.is_grad_enabled() else h.add_(x)  # h and the MLP's output are this layer's own
+        if boundary is not None:
+            boundary()
         if torch.is_grad_enabled():
-            x = x + h
             return x + self.mlp(self.post_attention_layernorm(x))
-        x = h.add_(x)  # h and the MLP's output are this layer's own tensors
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
