@@ -154,6 +154,11 @@ def _pools_whole(stats: dict) -> None:
     assert stats["gdn_slots_free"] == stats["gdn_slots_total"]
 
 
+def _lane_of_this_thread() -> int:
+    name = threading.current_thread().name
+    return 0 if name == "engine" else int(name.rpartition("-")[2])
+
+
 class ThreadAudit:
     """Wraps the runner: at each step's start and at each of its layer boundaries, the threads the lanes
     run on add up to at most the CPU's, and the calling lane runs on the share it published."""
@@ -167,8 +172,7 @@ class ThreadAudit:
     def check(self) -> None:
         share = self.engine._share
         assert share is not None
-        name = threading.current_thread().name
-        lane = 0 if name == "engine" else int(name.rpartition("-")[2])
+        lane = _lane_of_this_thread()
         with share.condition:
             total, mine = sum(share.running_on.values()), share.running_on.get(lane, 0)
         self.checks += 1
@@ -356,11 +360,6 @@ def test_idle_work_never_runs_beside_a_step(model):
         stats = engine.stats()
     assert work.pieces > 0 and stats["side_steps"] > 0
     assert active["overlaps"] == 0
-
-
-def _lane_of_this_thread() -> int:
-    name = threading.current_thread().name
-    return 0 if name == "engine" else int(name.rpartition("-")[2])
 
 
 @needs_two_threads

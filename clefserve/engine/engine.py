@@ -510,11 +510,11 @@ class Engine:
         return between_layers
 
     def _hold_for_short_steps(self, lane: Lane) -> None:
-        """Between two layers of a long step on ``lane``: while steps of short records run on other lanes,
-        give them this lane's threads, and go on once those steps (not later ones) have ended. Short records
-        are a small share of the work, and beside a long step on half the threads each takes ~1.5x as long
-        as on all of them. A long step goes on by at least a layer per step of short records, so a stream of
-        them slows it without starving it."""
+        """At a layer boundary of a long step on ``lane``, or before it starts: while steps of short records
+        run on other lanes, give them this lane's threads, and go on once those steps (not later ones) have
+        ended. Short records are a small share of the work, and beside a long step on half the threads each
+        takes ~1.5x as long as on all of them. A long step goes on to at least its next boundary per step of
+        short records, so a stream of them slows it without starving it."""
         share = self._share
         assert share is not None
         with self._wake:

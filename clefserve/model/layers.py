@@ -299,7 +299,8 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, batch, cache)
         else:
             h = self.self_attn(h, batch, rope, cache)
-        x = x + h if torch.is_grad_enabled() else h.add_(x)  # h and the MLP's output are this layer's own
+        # without autograd, h and the MLP's output are this layer's own tensors: add into them
+        x = x + h if torch.is_grad_enabled() else h.add_(x)
         if boundary is not None:
             boundary()
         if torch.is_grad_enabled():
