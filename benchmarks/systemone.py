@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=[400, 3000, 12000],
                         help="record sizes measured alone at concurrency 1 (none: skip)")
     parser.add_argument("--per-size", type=int, default=3, help="requests per size alone")
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[8])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8],
+                        help="concurrency levels of the mixed workload (none: skip it)")
     parser.add_argument("--requests", type=int, default=16, help="mixed workload requests (half short)")
     parser.add_argument("--short", type=int, default=400)
     parser.add_argument("--long", type=int, default=3000)
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-args", default="--max-num-seqs 8 --prefill-chunk-size 1024",
                         help="extra clef-serve flags")
     parser.add_argument("--prefill-rounds", type=int, default=5,
-                        help="rounds of the long-record prefill, each beside its own peak measurement")
+                        help="rounds of the long-record prefill, each beside its own peak measurement "
+                             "(0: skip)")
     add_heap_argument(parser)
     add_tokenizer_argument(parser)
     args = parser.parse_args(argv)
@@ -281,21 +283,24 @@ def main(argv: list[str] | None = None) -> None:
                         print(spread)
                     if size == args.short:
                         alone_short = ours
-                rounds = [(reference.run(fresh(mixed)),
-                           [run_server(server.url, fresh(mixed), c) for c in args.concurrency])
-                          for _ in range(args.repeat)]
-                base = merged([b for b, _ in rounds])
-                base.report("mixed: reference, 1 at a time")
-                for i, concurrency in enumerate(args.concurrency):
-                    ours = merged([runs[i] for _, runs in rounds])
-                    ours.report(f"mixed: clef-serve, concurrency {concurrency}", base)
-                    if spread := round_ratios([b for b, _ in rounds], [runs[i] for _, runs in rounds]):
-                        print(spread)
-                    if alone_short is not None:
-                        report_short_latency(
-                            [runs[i] for _, runs in rounds], alone_short, concurrency,
-                            lambda k: run_server(server.url, fresh([args.short] * k), k), args.repeat)
+                if args.concurrency:
+                    rounds = [(reference.run(fresh(mixed)),
+                               [run_server(server.url, fresh(mixed), c) for c in args.concurrency])
+                              for _ in range(args.repeat)]
+                    base = merged([b for b, _ in rounds])
+                    base.report("mixed: reference, 1 at a time")
+                    for i, concurrency in enumerate(args.concurrency):
+                        ours = merged([runs[i] for _, runs in rounds])
+                        ours.report(f"mixed: clef-serve, concurrency {concurrency}", base)
+                        if spread := round_ratios([b for b, _ in rounds], [runs[i] for _, runs in rounds]):
+                            print(spread)
+                        if alone_short is not None:
+                            report_short_latency(
+                                [runs[i] for _, runs in rounds], alone_short, concurrency,
+                                lambda k: run_server(server.url, fresh([args.short] * k), k), args.repeat)
             del reference
+            if args.prefill_rounds < 1:
+                continue
             prefill = long_prefill_utilisation(folder, dtype, args.long, args.prefill_rounds)
             peak_name = next(key for key, value in DTYPES.items() if value == prefill.arithmetic)
             computed_in = "" if prefill.arithmetic == dtype else f", what this CPU runs {name} projections in"
