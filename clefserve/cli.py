@@ -229,7 +229,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     backend = EngineBackend.loading(load, config, name, release_date=_release_date(folder),
                                     description=f"Clef decision model {name} served by clef-serve",
-                                    self_check=True)
+                                    self_check=True, freeze_heap=True)
     app = create_app(backend, config)
     log.info("clef-serve %s serving %s on http://%s:%d (auth %s)", __version__, name, config.host,
              config.port, "on" if config.api_key else "off")

@@ -111,6 +111,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from clefserve.batch.progress import Progress
     from clefserve.batch.sources import InputError, format_of, load_questions, open_source
     from clefserve.cli import command_setup, configure_logging, serving_decider
+    from clefserve.engine.python_heap import freeze_loaded_objects
     from clefserve.errors import RequestError
     from clefserve.formats.clef.engine_backend import EngineBackend
 
@@ -148,6 +149,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"clef-serve batch: the startup self-check failed ({problems[0]}; the log has the "
                       "details): not answering with this build and these flags", file=sys.stderr)
                 return 1
+            freeze_loaded_objects()
             feeder = EngineFeeder(backend, window_for(config.max_num_seqs, config.max_queue))
             progress = Progress(None if total is None else max(0, total - output.lines), args.quiet)
             job = BatchJob(iter(source), feeder, output, done, progress,

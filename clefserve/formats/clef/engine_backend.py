@@ -26,6 +26,7 @@ import torch
 from clefserve.config import EngineConfig
 from clefserve.engine import Engine, EngineClosedError, FinishedSequence, QueueFullError
 from clefserve.engine.openmp import release_thread_team
+from clefserve.engine.python_heap import freeze_loaded_objects
 from clefserve.errors import NonFiniteError, RequestError, all_finite
 from clefserve.formats.clef.answers import probabilities
 from clefserve.formats.clef.audit import Auditor, disabled_stats
@@ -57,9 +58,13 @@ class EngineBackend:
         load: Callable[[], ClefDecider] | None = None,
         memory_budget_bytes: int | None = None,
         self_check: bool = False,
+        freeze_heap: bool = False,
     ) -> None:
         """``decider``: ready to use; or ``decider=None`` with ``load``, called off the event loop by
-        ``start()`` so the server answers /health (and /ready with 503) while the weights load."""
+        ``start()`` so the server answers /health (and /ready with 503) while the weights load.
+        ``freeze_heap`` (with ``load``): once loaded and checked, freeze the process's objects out of the
+        garbage collector's passes (:mod:`clefserve.engine.python_heap`), for a process that serves until it
+        exits."""
         if (decider is None) == (load is None):
             raise ValueError("pass either a decider or a load function")
         self.config = config
@@ -82,6 +87,7 @@ class EngineBackend:
         self._check_problem: str | None = None
         self.audit: Auditor | None = None
         self._serving_ops: str | None = None
+        self._freeze_heap = freeze_heap
         if decider is not None:
             self._attach(decider)
 
@@ -213,6 +219,8 @@ class EngineBackend:
             self._check_failure = "load failed"
             self._reason = f"loading the model failed: {type(exc).__name__}: {exc}"
             return
+        if self._freeze_heap:
+            freeze_loaded_objects()
         if self._check_failure is None:
             log.info("model %s is ready", self._name)
 
