@@ -22,6 +22,11 @@ parts are then summed over both and their shares are of twice the wall time, so 
 (a lane waiting for a step beside the other's counts as idle). Op timers synchronise
 CUDA when the model runs there, so a GPU profile shows where launches wait.
 
+As the server does once its model is loaded, the process's objects are frozen out of the garbage collector's
+passes after the warm-up (``clefserve.engine.python_heap``). Collections still run for what the workload
+allocates; each stops every thread while it holds the GIL, and the last line says how many there were, per
+generation, and how long they held it.
+
 ``--ops N`` looks below the parts: ``torch.profiler`` records the engine thread's aten ops during the run
 and the N that took the most CPU time are printed with their input shapes (kineto may print an "External
 init callback" line when it starts on that thread; the recording works all the same).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -99,6 +105,40 @@ class Timers:
         if keeping is not None:
             timed.keeping = self.wrap(name, keeping)  # type: ignore[attr-defined]
         return timed
+
+
+class GcPauses:
+    """The garbage collector's passes while recording, per generation (count, seconds), from any thread."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest = 0.0
+        self._started: dict[int, float] = {}
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started[threading.get_ident()] = time.perf_counter()
+            return
+        started = self._started.pop(threading.get_ident(), None)
+        if started is not None:
+            elapsed = time.perf_counter() - started
+            generation = info["generation"]
+            self.count[generation] += 1
+            self.seconds[generation] += elapsed
+            self.longest = max(self.longest, elapsed)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> str:
+        pairs = zip(self.count, self.seconds, strict=True)
+        passes = ", ".join(f"gen{g} {n} ({1e3 * t:.1f} ms)" for g, (n, t) in enumerate(pairs))
+        return f"garbage collection (every thread stops): {passes}; longest {1e3 * self.longest:.1f} ms"
 
 
 def instrument(backend: Any, timers: Timers) -> None:
@@ -205,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
     from benchmarks.workload import make_request
     from clefserve.engine.openmp import release_thread_team
+    from clefserve.engine.python_heap import freeze_loaded_objects
     from clefserve.formats.clef import ClefDecider
     from clefserve.formats.clef.engine_backend import EngineBackend
 
@@ -253,13 +294,14 @@ def main(argv: list[str] | None = None) -> None:
         rng.shuffle(requests)
         release_thread_team()  # this thread's torch work is done (as the server's loading thread does)
         run_client(url, warm, 2)
+        freeze_loaded_objects()  # as the server does once loaded
 
         timers = Timers(torch.cuda.synchronize if decider.backbone.device.type == "cuda" else lambda: None)
         instrument(backend, timers)
         loop = loop_info["loop"]
         loop_before = loop_cpu_seconds(loop)
         stats_before = backend.engine.stats()
-        with EngineOps(backend.engine) if args.ops else nullcontext() as ops:
+        with EngineOps(backend.engine) if args.ops else nullcontext() as ops, GcPauses() as collections:
             result = run_client(url, requests, args.concurrency)
         loop_cpu = loop_cpu_seconds(loop) - loop_before
         stats = backend.engine.stats()
@@ -295,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     for part, value in (("record encoding", seconds.get("record encoding", 0.0)),
                         ("HTTP + JSON (event loop CPU)", loop_cpu)):
         print(f"  {part:<26} {value:8.3f} {100 * value / wall:6.1f}%")
+    print(collections.summary())
     if ops is not None:
         print(f"engine thread, the {args.ops} costliest aten ops (self CPU time)")
         print(ops.table(args.ops))

@@ -1,14 +1,18 @@
 """benchmarks.profile's timers, on a fake clock: the wrapped delta rule keeps its snapshot-keeping entry point
 (so the profiled engine takes the path the server takes) and both entry points count under the same part;
-nested parts count only in the innermost one. ``--ops`` records the engine thread's ops, not the caller's."""
+nested parts count only in the innermost one. ``--ops`` records the engine thread's ops, not the caller's; the
+garbage collector's passes are counted per generation, from any thread."""
 
 from __future__ import annotations
+
+import gc
+import threading
 
 import pytest
 import torch
 
 from benchmarks import profile
-from benchmarks.profile import EngineOps, Timers
+from benchmarks.profile import EngineOps, GcPauses, Timers
 from clefserve.engine import Engine
 from clefserve.model.weights import load_backbone
 from tests.engine_support import ENGINE_SPECS, keep_hidden, small_config
@@ -68,3 +72,19 @@ def test_engine_ops_records_the_engine_threads_ops_and_not_the_callers(make_rele
         table = ops.table(200)
     assert "aten::mm" in table or "aten::addmm" in table  # the step's projections
     assert "aten::cumprod" not in table
+
+
+def test_gc_pauses_count_every_generations_passes_on_any_thread():
+    gc.disable()  # only the passes asked for below
+    try:
+        with GcPauses() as pauses:
+            gc.collect(0)
+            worker = threading.Thread(target=gc.collect, args=(2,))
+            worker.start()
+            worker.join()
+        gc.collect(1)  # after recording: not counted
+    finally:
+        gc.enable()
+    assert pauses.count == [1, 0, 1]
+    assert pauses.longest >= max(pauses.seconds) > 0
+    assert "gen2 1" in pauses.summary()
