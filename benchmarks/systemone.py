@@ -20,7 +20,9 @@ For each dtype it prints:
 
 Three questions per record (noul, choice, score) on a random Clef-shaped release (``benchmarks.shapes``).
 The reference runs in this process with the heap thresholds our server sets (``--heap``,
-``benchmarks/heap.py``). Needs the test extras (transformers, clef-finetune).
+``benchmarks/heap.py``) and, with ``--heap kept``, its loaded objects frozen out of the garbage collector's
+passes once built, as the server freezes its own (``clefserve.engine.python_heap``): the comparison is between
+the engines, not process settings. Needs the test extras (transformers, clef-finetune).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
 from benchmarks.workload import make_request
 from clefserve.config import DTYPES
 from clefserve.engine.openmp import release_thread_team
+from clefserve.engine.python_heap import freeze_loaded_objects
 from clefserve.engine.subnormals import flush_subnormals_here
 from clefserve.formats.clef.encoder import ClefEncoder
 from clefserve.model.ops import gemm
@@ -129,11 +132,14 @@ def merged(runs: list[Run]) -> Run:
 class Reference:
     """Cloudflare's ``systemone()`` over transformers' Qwen3.5, one request at a time."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
+    def __init__(self, folder: Path, dtype: torch.dtype, freeze: bool) -> None:
+        """``freeze``: then freeze this process's objects out of the garbage collector's passes."""
         from tests.oracles import jsm, reference_clef
 
         self.jsm = jsm()
         self.model, self.processor = reference_clef(folder, dtype)
+        if freeze:
+            freeze_loaded_objects()
 
     def run(self, requests: list[dict]) -> Run:
         self.jsm.systemone(self.model, self.processor, {**requests[0], "state": "warm-up"})
@@ -262,11 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# shape {args.shape}, tokenizer {args.tokenizer}, {args.threads} threads, server: "
               f"{args.server_args}; mixed: "
               f"{args.requests} requests (~{args.short}/~{args.long} tokens); {args.repeat} round(s) each, "
-              f"reference and ours alternating; reference: {heap}")
+              f"reference and ours alternating; reference: {heap}"
+              f"{', loaded objects frozen' if args.heap == 'kept' else ''}")
         for name in args.dtypes:
             dtype = DTYPES[name]
             print(f"{name}:")
-            reference = Reference(folder, dtype)
+            reference = Reference(folder, dtype, freeze=args.heap == "kept")
             log = Path(tmp) / f"server-{name}.log"
             extra = ["--dtype", name, "--max-length", str(max([*args.sizes, args.long]) + 1024),
                      *args.server_args.split()]
