@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import json
 import subprocess
 import sys
@@ -107,38 +106,11 @@ class Timers:
         return timed
 
 
-class GcPauses:
-    """The garbage collector's passes while recording, per generation (count, seconds), from any thread."""
-
-    def __init__(self) -> None:
-        self.count = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
-        self.longest = 0.0
-        self._started: dict[int, float] = {}
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started[threading.get_ident()] = time.perf_counter()
-            return
-        started = self._started.pop(threading.get_ident(), None)
-        if started is not None:
-            elapsed = time.perf_counter() - started
-            generation = info["generation"]
-            self.count[generation] += 1
-            self.seconds[generation] += elapsed
-            self.longest = max(self.longest, elapsed)
-
-    def __enter__(self) -> GcPauses:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def summary(self) -> str:
-        pairs = zip(self.count, self.seconds, strict=True)
-        passes = ", ".join(f"gen{g} {n} ({1e3 * t:.1f} ms)" for g, (n, t) in enumerate(pairs))
-        return f"garbage collection (every thread stops): {passes}; longest {1e3 * self.longest:.1f} ms"
+def collector_summary(before: list[tuple[int, float]], after: list[tuple[int, float]]) -> str:
+    """The garbage collector's passes between two :meth:`CollectorPauses.totals`, per generation."""
+    passes = ", ".join(f"gen{g} {n1 - n0} ({1e3 * (t1 - t0):.1f} ms)"
+                       for g, ((n0, t0), (n1, t1)) in enumerate(zip(before, after, strict=True)))
+    return f"garbage collection (every thread stops): {passes}"
 
 
 def instrument(backend: Any, timers: Timers) -> None:
@@ -245,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.shapes import SHAPES, add_tokenizer_argument, build_shape
     from benchmarks.workload import make_request
     from clefserve.engine.openmp import release_thread_team
-    from clefserve.engine.python_heap import freeze_loaded_objects
+    from clefserve.engine.python_heap import collector_pauses, freeze_loaded_objects
     from clefserve.formats.clef import ClefDecider
     from clefserve.formats.clef.engine_backend import EngineBackend
 
@@ -301,8 +273,11 @@ def main(argv: list[str] | None = None) -> None:
         loop = loop_info["loop"]
         loop_before = loop_cpu_seconds(loop)
         stats_before = backend.engine.stats()
-        with EngineOps(backend.engine) if args.ops else nullcontext() as ops, GcPauses() as collections:
+        collector_pauses.install()
+        collections_before = collector_pauses.totals()
+        with EngineOps(backend.engine) if args.ops else nullcontext() as ops:
             result = run_client(url, requests, args.concurrency)
+        collections = collector_summary(collections_before, collector_pauses.totals())
         loop_cpu = loop_cpu_seconds(loop) - loop_before
         stats = backend.engine.stats()
         server.should_exit = True
@@ -337,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     for part, value in (("record encoding", seconds.get("record encoding", 0.0)),
                         ("HTTP + JSON (event loop CPU)", loop_cpu)):
         print(f"  {part:<26} {value:8.3f} {100 * value / wall:6.1f}%")
-    print(collections.summary())
+    print(collections)
     if ops is not None:
         print(f"engine thread, the {args.ops} costliest aten ops (self CPU time)")
         print(ops.table(args.ops))

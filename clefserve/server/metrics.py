@@ -33,6 +33,9 @@ Names (all prefixed ``clef_``):
   ``clef_audit_total{result="match|mismatch|skipped"}``, ``clef_audit_max_probability_difference``
   (histogram of the largest option difference per audited request), ``clef_audit_queued`` (samples waiting
   for idle time).
+- ``clef_python_gc_pause_seconds{generation}``: each pass of Python's garbage collector (all threads stop,
+  the engine's included; ``clefserve.engine.python_heap``); ``clef_python_gc_frozen_objects``: objects frozen
+  out of its passes once the model was loaded.
 - ``process_*``: the process collector (resident memory, CPU seconds, open fds).
 
 ``Metrics.recent`` (not exported: Prometheus computes rates itself) keeps the last minute of decision
@@ -41,6 +44,7 @@ requests (POST routes) for ``GET /v1/status``: requests per second and p50/p95 l
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +62,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from clefserve.engine.python_heap import GENERATIONS, PAUSE_BUCKETS, collector_pauses
 from clefserve.server.rolling import RollingWindow
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,8 @@ class Metrics:
         ProcessCollector(registry=r)
         self.engine = EngineCollector(stats, ready)
         r.register(self.engine)
+        collector_pauses.install()
+        r.register(PythonHeapCollector())
         self.recent = RollingWindow()
 
     def observe_decision(self, queue_wait_s: float, compute_s: float) -> None:
@@ -189,6 +196,26 @@ class EngineCollector:
             yield from _vision_metrics(s)
         if "audit" in s:
             yield from audit_metrics(s["audit"])
+
+
+class PythonHeapCollector:
+    """The garbage collector's pauses (recorded process-wide) and the frozen objects, when scraped."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        pauses = HistogramMetricFamily("clef_python_gc_pause_seconds", "Passes of Python's garbage collector "
+                                       "by generation: every thread stops for each, the engine's too",
+                                       labels=["generation"])
+        for generation in range(GENERATIONS):
+            record = collector_pauses.generations[generation]
+            bounds = zip(PAUSE_BUCKETS, record.within, strict=True)
+            buckets = [*((repr(bound), within) for bound, within in bounds), ("+Inf", record.count)]
+            pauses.add_metric([str(generation)], buckets, sum_value=record.seconds)
+        yield pauses
+        yield GaugeMetricFamily("clef_python_gc_frozen_objects", "Objects frozen out of the garbage "
+                                "collector's passes once the model was loaded", value=gc.get_freeze_count())
 
 
 def _vision_metrics(s: dict[str, Any]) -> Iterator[Metric]:
