@@ -62,7 +62,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clefserve.engine.python_heap import GENERATIONS, PAUSE_BUCKETS, collector_pauses
+from clefserve.engine.python_heap import PAUSE_BUCKETS, collector_pauses
 from clefserve.server.rolling import RollingWindow
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,8 @@ class EngineCollector:
                                   value=s["prefill_tokens"])
         yield CounterMetricFamily("clef_engine_steps", "Engine steps (one batched forward each)",
                                   value=s["steps"])
-        yield CounterMetricFamily("clef_engine_paused_steps", "Steps of long records paused between two "
-                                  "layers while a step of short records that arrived during them ran",
+        yield CounterMetricFamily("clef_engine_paused_steps", "Steps of long records paused at a layer "
+                                  "boundary while a step of short records that arrived during them ran",
                                   value=s.get("paused_steps", 0))
         yield CounterMetricFamily("clef_engine_held_steps", "Times a step of long records on one CPU lane "
                                   "held, at a layer boundary or its start, while a step of short records ran "
@@ -208,8 +208,7 @@ class PythonHeapCollector:
         pauses = HistogramMetricFamily("clef_python_gc_pause_seconds", "Passes of Python's garbage collector "
                                        "by generation: every thread stops for each, the engine's too",
                                        labels=["generation"])
-        for generation in range(GENERATIONS):
-            record = collector_pauses.generations[generation]
+        for generation, record in enumerate(collector_pauses.generations):
             bounds = zip(PAUSE_BUCKETS, record.within, strict=True)
             buckets = [*((repr(bound), within) for bound, within in bounds), ("+Inf", record.count)]
             pauses.add_metric([str(generation)], buckets, sum_value=record.seconds)
