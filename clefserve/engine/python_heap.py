@@ -2,8 +2,9 @@
 
 CPython's cyclic collector stops every thread for the length of a collection: it holds the GIL, and the
 engine's lanes need the GIL between any two torch ops. A full (generation 2) collection walks every tracked
-object, and a loaded server tracks ~175,000 (torch's, FastAPI's and pydantic's functions, types and dicts;
-the weights are a few hundred tensor objects, whatever their size): 60-88 ms on the 2-core benchmark host.
+object, and a loaded server tracks ~175,000-213,000 (torch's, FastAPI's and pydantic's functions, types
+and dicts; the weights are a few hundred tensor objects, whatever their size): 60-88 ms on the 2-core
+benchmark host.
 Request handling allocates enough (the JSON of long records, their encodings) to run one every few bursts,
 so a short record that arrived with a burst of long ones waited ~85 ms more, measured in a traced burst on
 ``clef256``.
