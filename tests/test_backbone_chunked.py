@@ -30,8 +30,13 @@ TOLERANCE = 1e-5
 @pytest.mark.parametrize("name", sorted(BACKBONE_SPECS))
 @torch.inference_mode()
 def test_random_pieces_equal_one_piece(make_release, name, mode):
+    """A sequence run in random pieces gives the rows of one run: within 1e-5, or within two fp32 roundings of
+    the model where one is larger (its rows' distance from an fp64 run; measured on an AVX-512 EPYC for
+    qwen-decays: 7.7e-6 from fp64, 1.17e-5 between pieces and one run). A carried state that is lost or
+    damaged moves them far more: one delta-rule state scaled by 0.999 once, by 1.8e-4."""
     folder = make_release(BACKBONE_SPECS[name], seed=len(name))
     model = use_kernels(load_backbone(folder, test_device.dtype(), test_device.device()), mode)
+    exact = load_backbone(folder, torch.float64) if test_device.dtype() == torch.float32 else None
     rng = random.Random(name)
     gen = torch.Generator().manual_seed(11)
     for _ in range(2):
@@ -44,7 +49,11 @@ def test_random_pieces_equal_one_piece(make_release, name, mode):
             pieces.append(hidden)
             start += size
         assert state.length == len(ids)
-        test_device.assert_close(torch.cat(pieces), whole, TOLERANCE, "pieces vs one piece:")
+        tolerance = TOLERANCE
+        if exact is not None:  # no tighter than two fp32 roundings of this model (each measured against fp64)
+            rounding = (whole.cpu().double() - exact.run_sequence(ids)[0]).abs().max().item()
+            tolerance = max(TOLERANCE, 2 * rounding)
+        test_device.assert_close(torch.cat(pieces), whole, tolerance, "pieces vs one piece:")
 
 
 @pytest.mark.parametrize("split", [False, True])
