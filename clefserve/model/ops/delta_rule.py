@@ -24,8 +24,10 @@ RECURRENT_MAX = 4  # pieces of up to this many tokens take the recurrent form
 # On a CPU a piece's triangular systems always go to LAPACK's triangular solve. Against the batched-matmul
 # inverse + matmul on a 2-core AMX Xeon (fp32, 2 threads, 64 x 64 systems, 256 right-hand columns, min of
 # 12 calls), solve / inverse: 16 systems 0.37, 64 0.53, 256 0.71, 1,024 0.45, 2,048 0.39. (Before the solve
-# was posed transposed, its copy of the right-hand sides made it lose from ~96 systems on.) On other devices
-# (the torch fallback on a GPU without fla) up to this many systems are solved and more are inverted.
+# was posed transposed, its copy of the right-hand sides made it lose from ~96 systems on.) On a 2-core
+# AVX-512 EPYC the inverse wins (16 systems 0.79 against 1.03 ms, 48 systems 2.63 against 3.37), ~1% of a
+# record: the solve stays on every CPU, so that a row's bits do not depend on the CPU's vendor. On other
+# devices (the torch fallback on a GPU without fla) up to this many systems are solved and more are inverted.
 SOLVE_MAX_SYSTEMS = 64
 # Decay factors below FLUSH_BELOW are set to 0. torch's CPU exp computes an element whose result leaves the
 # normal floats (below ~1.2e-38) one at a time, 60-170x slower than the rest, and the strong decays of
