@@ -115,13 +115,16 @@ def cold_answer(decider: ClefDecider, request: dict) -> dict:
 
 def assert_equal_answers(cached: dict, cold: dict) -> float:
     assert cached["answers"].keys() == cold["answers"].keys()
+    allowed = test_device.tolerance(TOLERANCE)
     worst = 0.0
     for qid, want in cold["answers"].items():
         got = cached["answers"][qid]
-        assert got.get("choice") == want.get("choice"), qid
+        if got.get("choice") != want.get("choice"):  # only a tie within the tolerance may break the other way
+            cold_p = want["x_probabilities"]
+            assert cold_p[got["choice"]] >= cold_p[want["choice"]] - allowed, (qid, got, want)
         for option, p in want["x_probabilities"].items():
             worst = max(worst, abs(p - got["x_probabilities"][option]))
-    assert worst <= test_device.tolerance(TOLERANCE)
+    assert worst <= allowed
     return worst
 
 
