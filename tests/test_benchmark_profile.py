@@ -71,7 +71,6 @@ def test_engine_ops_records_the_engine_threads_ops_and_not_the_callers(make_rele
     assert "aten::cumprod" not in table
 
 
-
 def test_the_collector_line_counts_the_passes_between_two_totals():
     before = [(3, 0.001), (1, 0.002), (0, 0.0)]
     after = [(5, 0.0015), (1, 0.002), (1, 0.085)]
