@@ -36,6 +36,13 @@ def _submit_all(engine: Engine, records: list[torch.Tensor]) -> list[torch.Tenso
     return [f.result(timeout=60) for f in futures]
 
 
+def _submit_at_once(engine: Engine, records: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Queue every record from the engine's own thread between two steps, so that its next plan sees them
+    all: which chunks share a step then does not depend on how submitting threads race the engine."""
+    futures = engine.on_engine_thread(lambda: [engine.submit(ids) for ids in records])
+    return [f.result(timeout=60) for f in futures]
+
+
 def _shared_continuations(trace: list[tuple[tuple[int, int], ...]]) -> int:
     """Steps that ran a later chunk of one sequence beside another sequence's tokens."""
     seen: set[int] = set()
@@ -67,7 +74,7 @@ def test_engine_rows_equal_one_piece_runs(make_release, name, mode):
                           layer_preemption=False, cpu_lanes=1)
     with Engine(model, config, keep_hidden) as engine:
         engine.poison_free_memory()
-        first = _submit_all(engine, records)
+        first = _submit_at_once(engine, records)
         for ids, want, got in zip(records, expected, first, strict=True):
             assert got.shape == (len(ids), model.config.hidden_size)
             test_device.assert_close(got, want, TOLERANCE)
