@@ -78,8 +78,9 @@ def test_engine_rows_with_pictures_equal_one_piece_runs(decider):
     def finish(fs):
         return [(f.seq_id, f.hidden.clone()) for f in fs]
 
+    # one lane, so that records share steps rather than run beside them (tests/test_cpu_lanes.py)
     config = small_config(max_num_seqs=3, prefill_chunk_size=23, block_size=5, kv_cache_mb=8,
-                          prefix_cache=False)
+                          prefix_cache=False, cpu_lanes=1)
     with Engine(decider.backbone, config, finish) as engine:
         for rounds in range(2):
             engine.poison_free_memory()
@@ -88,8 +89,11 @@ def test_engine_rows_with_pictures_equal_one_piece_runs(decider):
             def submit(k: int):
                 return engine.submit(records[k].input_ids, inputs=inputs[k])
 
-            with ThreadPoolExecutor(4) as pool:
-                futures = list(pool.map(submit, order))
+            if rounds == 0:  # queued from the engine's thread: its next plan sees them all
+                futures = engine.on_engine_thread(lambda: [submit(k) for k in order])  # noqa: B023
+            else:  # submitting threads racing the engine
+                with ThreadPoolExecutor(4) as pool:
+                    futures = list(pool.map(submit, order))
             results = [f.result(timeout=120) for f in futures]
             by_seq = {}
             for k, (seq_id, got) in zip(order, results, strict=True):
