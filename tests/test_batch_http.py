@@ -235,18 +235,21 @@ def test_interrupted_runs_resume_to_the_uninterrupted_output(release, workload, 
 RAY_RECORDS = 90
 
 
-def test_ray_actors_answer_like_batch(release, workload, uninterrupted) -> None:
+def test_ray_actors_answer_like_batch(release, workload, uninterrupted, tmp_path) -> None:
     """Two actors on a local Ray instance, each with one engine: the same answers as ``clef-serve batch``."""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'clefserve[ray]')")
     from clefserve.ray import decide
-    from tests.ray_support import PidDecisions
+    from tests.ray_support import RENDEZVOUS_ENV, PidDecisions
 
     work, records = workload
     reference = by_id(uninterrupted[0])
     subset = records.with_name("ray-records.jsonl")
     subset.write_bytes(b"".join(line + b"\n" for line in work.lines[:RAY_RECORDS]))
+    rendezvous = tmp_path / "ray-rendezvous"
+    rendezvous.mkdir()
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                       RENDEZVOUS_ENV: str(rendezvous)}})
     # Ray Data starts the pool's actors asynchronously: an actor that builds its engine first can take every
     # block before the other is up (CI saw it once). Waiting for both gives each a share of the blocks.
     context = ray.data.DataContext.get_current()
