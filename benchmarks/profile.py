@@ -29,7 +29,10 @@ generation, and how long they held it.
 
 ``--ops N`` looks below the parts: ``torch.profiler`` records the engine thread's aten ops during the run
 and the N that took the most CPU time are printed with their input shapes (kineto may print an "External
-init callback" line when it starts on that thread; the recording works all the same).
+init callback" line when it starts on that thread; the recording works all the same). The recording is
+not free: it slows the parts it records (the delta rule 8.4 against 7.0 ms a call in one bf16 run) and its
+events are Python objects, which make the collector run full passes it otherwise does not (two of ~36 ms
+in a 16-request run, none without). Take the parts and the collector's line from a run without ``--ops``.
 """
 
 from __future__ import annotations
