@@ -1,7 +1,7 @@
 """Where the server's time goes: a real workload through the HTTP server, with the share of wall time spent in
 each part of the work.
 
-    python -m benchmarks.profile [--dtype f32] [--concurrency 8] [--requests 8] [--shape clef256]
+    python -m benchmarks.profile [--dtype f32] [--concurrency 8] [--requests 8] [--shape clef256] [--d 0]
 
 The server (FastAPI + engine + Clef head) runs in this process on a loopback port; a separate client process
 sends the workload (half ~``--short``-token and half ~``--long``-token records with fresh states, as
@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-lanes", type=int, choices=(1, 2), default=EngineConfig.cpu_lanes,
                         help="as the server's flag (default: %(default)s)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "fast", "reference"))
+    parser.add_argument("--d", "--device", dest="device", default="cpu",
+                        help="cpu (default) or a GPU index, as the server's --d")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="also print the N aten ops (by input shapes) that took the most of the engine "
                              "thread's CPU time (the first lane's, with two), from torch.profiler; its "
@@ -254,11 +256,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.w) if args.w else build_shape(args.shape, Path(tmp) / "release",
                                                                    tokenizer=args.tokenizer)
-        decider = ClefDecider(folder, DTYPES[args.dtype], kernels=args.kernels)
-        config = EngineConfig(dtype=args.dtype, port=free_port(), max_num_seqs=args.max_num_seqs,
+        config = EngineConfig(device=args.device, dtype=args.dtype, port=free_port(),
+                              max_num_seqs=args.max_num_seqs,
                               prefill_chunk_size=args.prefill_chunk_size, kv_cache_mb=1024,
                               prefix_cache=not args.no_prefix_cache, audit_fraction=0.0,
                               cpu_lanes=args.cpu_lanes)
+        decider = ClefDecider(folder, DTYPES[args.dtype], config.torch_device, kernels=args.kernels)
         backend = EngineBackend(decider, config, "bench")
         server, thread, loop_info = serve_in_thread(backend, config)
         url = f"http://127.0.0.1:{config.port}"
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = stats["prefill_tokens"] - stats_before["prefill_tokens"]
     latencies = sorted(result["latencies"])
     model = args.w or f"shape {args.shape}, tokenizer {args.tokenizer}"
-    print(f"# {model}, {args.dtype}, kernels {args.kernels} ({decider.backbone.ops.name}), "
+    print(f"# {model}, {decider.backbone.device}, {args.dtype}, kernels {args.kernels} "
+          f"({decider.backbone.ops.name}), "
           f"{args.threads} threads, concurrency {args.concurrency}, "
           f"{args.requests} requests (~{args.short}/~{args.long} tokens), chunk {args.prefill_chunk_size}, "
           f"prefix cache {'off' if args.no_prefix_cache else 'on'}, {lanes} lane(s)")

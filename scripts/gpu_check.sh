@@ -6,6 +6,7 @@
 #   bench    python -m benchmarks.gpu --dtype DTYPE: the 9B-shaped table against the reference
 #   tests    the device-aware tests with --device cuda (fp32, the CPU suite's tolerances)
 #   kernels  fla's kernels against the torch reference ops in DTYPE
+#   profile  python -m benchmarks.profile on the GPU: where a mixed workload's time goes, part by part
 # Each stage runs under its own time limit, all of them within --budget seconds (a stage with under 20 s left
 # is skipped). Each stage's log and summary.txt go to --out. Exit 0 when every stage ran and passed.
 #
@@ -35,6 +36,9 @@ deadline=$(( $(date +%s) + BUDGET ))
 failed=0
 export PYTHONUNBUFFERED=1
 
+echo "clef-serve $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)'), $(date -u +%FT%TZ)" \
+    | tee -a "$SUMMARY"
+
 if [[ -n "$WHEELS" ]]; then
     SITE="${TMPDIR:-/tmp}/clef-gpu-site"
     if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -42,6 +46,8 @@ if [[ -n "$WHEELS" ]]; then
         echo "install FAILED: see $OUT/install.log" | tee -a "$SUMMARY"
         exit 1
     fi
+    rm "$OUT/install.log"  # what comes back from a lent machine is limited to 8 files
+    echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE" | tee -a "$SUMMARY"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's clefserve, installed or not
@@ -72,13 +78,12 @@ stage() {  # stage NAME LIMIT_S EXPECTED_EXIT COMMAND...
 if (( DRY )); then
     # on the CPU fla cannot run: its test file skips whole, and pytest exits 5 for collecting nothing
     DTYPE=f32 device=(--d cpu --dtype f32) kernels=() bench=(--dry-run) collect=(--co) fla_exit=5
-    pytest_device=(--device cpu)
+    pytest_device=(--device cpu) profile=(--shape clef256 --requests 2 --concurrency 2 --long 1000)
 else
     device=(--d 0 --dtype "$DTYPE") kernels=(--kernels fast) bench=(--dtype "$DTYPE") collect=() fla_exit=0
     pytest_device=(--device cuda)
+    profile=(--shape qwen9b-2048 --requests 16 --concurrency 8 --prefill-chunk-size 8192)
 fi
-echo "clef-serve $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)'), $(date -u +%FT%TZ)" \
-    | tee -a "$SUMMARY"
 
 stage facts 60 0 bash -c '
     nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
@@ -105,4 +110,5 @@ stage tests 240 0 "$PY" -m pytest -q -p no:cacheprovider "${collect[@]}" "${pyte
     tests/test_prefix_cache.py tests/test_clef_differential.py tests/test_fla_kernels.py
 stage kernels 120 "$fla_exit" "$PY" -m pytest -q -p no:cacheprovider "${collect[@]}" "${pytest_device[@]}" \
     --dtype "$DTYPE" tests/test_fla_kernels.py
+stage profile 120 0 "$PY" -m benchmarks.profile "${device[@]}" "${profile[@]}"
 exit "$failed"

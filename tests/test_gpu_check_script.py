@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ["facts", "verify", "fault", "bench", "tests", "kernels"]
+STAGES = ["facts", "verify", "fault", "bench", "tests", "kernels", "profile"]
 
 
 def run_check(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -39,6 +39,7 @@ def test_every_stage_of_the_dry_run_passes_and_leaves_its_log(tmp_path):
     assert "FAILED (" in (tmp_path / "fault.log").read_text()  # the fault was caught: exit 1, as expected
     assert "max |Δp|" in (tmp_path / "bench.log").read_text()
     assert "test_engine_equality.py" in (tmp_path / "tests.log").read_text()
+    assert "delta rule" in (tmp_path / "profile.log").read_text()
 
 
 def test_a_budget_too_small_for_any_stage_fails_the_run(tmp_path):
