@@ -16,8 +16,8 @@
 # cannot reach a package index. --dry-run: the same stages on the CPU in f32 (benchmarks/gpu.py --dry-run, the
 # tests only collected), which checks the script itself; the test suite runs it so.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=gpu-check DTYPE=bf16 BUDGET=480 WHEELS="" DRY=0
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="$ROOT/gpu-check" DTYPE=bf16 BUDGET=480 WHEELS="" DRY=0
 while (( $# )); do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
@@ -28,7 +28,11 @@ while (( $# )); do
         *) echo "gpu_check.sh: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
     esac
 done
+OUT="$(realpath -ms "$OUT")"  # paths as given, relative to where this was started
+[[ -n "$WHEELS" ]] && WHEELS="$(realpath -ms "$WHEELS")"
 PY="${PYTHON:-python3}"
+[[ "$PY" == */* ]] && PY="$(realpath -ms "$PY")"  # -s: a virtualenv's python is a link to keep
+cd "$ROOT"
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -103,7 +107,10 @@ for dist in ("triton", "flash-linear-attention", "fla-core", "transformers", "cl
         print(dist, "not installed")
 PY' "$PY"
 stage verify 150 0 "$PY" -m clefserve.cli verify "${device[@]}" "${kernels[@]}"
-stage fault 90 1 env CLEF_FAULT_ZERO_CONV_BAND=k "$PY" -m clefserve.cli verify "${device[@]}" "${kernels[@]}"
+# exit 1 with verify's own FAILED verdict, not a crash before it (that exits 3 here)
+stage fault 90 1 bash -c 'out=$("$@" 2>&1); rc=$?; printf "%s\n" "$out"
+    [[ $rc == 1 ]] && grep -q "^verify .*: FAILED (" <<<"$out" && exit 1; exit 3' fault \
+    env CLEF_FAULT_ZERO_CONV_BAND=k "$PY" -m clefserve.cli verify "${device[@]}" "${kernels[@]}"
 stage bench 300 0 "$PY" -m benchmarks.gpu "${bench[@]}"
 stage tests 240 0 "$PY" -m pytest -q -p no:cacheprovider "${collect[@]}" "${pytest_device[@]}" \
     tests/test_backbone_equivalence.py tests/test_backbone_chunked.py tests/test_engine_equality.py \

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ["facts", "verify", "fault", "bench", "tests", "kernels", "profile"]
 
 
-def run_check(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": sys.executable}
+def run_check(out: Path, *args: str, python: str = sys.executable) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": python}
     script = ROOT / "scripts" / "gpu_check.sh"
     return subprocess.run(["bash", str(script), "--dry-run", "--out", str(out), *args],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -53,3 +53,13 @@ def test_a_budget_too_small_for_any_stage_fails_the_run(tmp_path):
 def test_an_unknown_argument_is_refused(tmp_path):
     done = run_check(tmp_path, "--budgte", "10")
     assert done.returncode == 2 and "unknown argument --budgte" in done.stderr
+
+
+def test_a_crash_does_not_pass_for_the_fault_being_caught(tmp_path):
+    """The fault stage wants exit 1 with verify's own FAILED verdict: an interpreter that cannot even start
+    (exit 127) fails it like every other stage."""
+    done = run_check(tmp_path, python=str(tmp_path / "no-such-python"))
+    assert done.returncode == 1
+    verdicts = summary(tmp_path)
+    assert all(v.startswith("FAILED") for v in verdicts.values()), verdicts
+    assert verdicts["fault"].startswith("FAILED: exit 3, expected 1")
