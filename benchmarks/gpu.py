@@ -128,6 +128,11 @@ def reference_model(folder: Path, ours: Backbone, dtype: torch.dtype):  # type: 
     return jsm, model, SimpleNamespace(tokenizer=tokenizer)
 
 
+def progress(started: float, what: str) -> None:
+    """A line as each phase ends, so that a run stopped at a time limit still shows how far it got."""
+    print(f"[{time.perf_counter() - started:5.0f} s] {what}", flush=True)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -220,6 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         backend = EngineBackend(decider, engine_config, "bench")
         try:
             asyncio.run(serve_at(backend, bodies[:2], 2))  # warm-up: Triton compiles, allocator grows
+            progress(started, "warm-up done (Triton's compiles and autotuning included)")
             ours_answers: list[dict] = []
             for concurrency in args.concurrency:
                 count = 2 * concurrency
@@ -229,11 +235,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 tokens = sum(record_tokens[:count])
                 rows.append({"system": f"clef-serve, concurrency {concurrency}", "requests": count,
                              "tokens_per_s": tokens / seconds, "mfu": sum(flops[:count]) / seconds / peak})
+                progress(started, f"{rows[-1]['system']}: {count} records in {seconds:.2f} s")
         finally:
             assert backend.engine is not None
             backend.engine.shutdown()
 
         jsm, ref_model, processor = reference_model(folder, backbone, dtype)
+        progress(started, "the reference model shares the weights; running it")
         captured: dict[int, dict[str, float]] = {}
         original = jsm.systemone_answer
 
