@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         backend = EngineBackend(decider, engine_config, "bench")
         try:
             asyncio.run(serve_at(backend, bodies[:2], 2))  # warm-up: Triton compiles, allocator grows
-            progress(started, "warm-up done (Triton's compiles and autotuning included)")
+            compiles = " (Triton's compiles and autotuning included)" if device.type == "cuda" else ""
+            progress(started, f"warm-up done{compiles}")
             ours_answers: list[dict] = []
             for concurrency in args.concurrency:
                 count = 2 * concurrency
